@@ -1,0 +1,168 @@
+"""Configs of the spec: LoRA hyper-parameters and GPT-2 model sizes.
+
+Sources: Hu et al. 2021 (LoRA), microsoft/LoRA ``loralib`` (names, ``enable_lora``
+for the fused qkv projection), nanoGPT ``GPTConfig`` and HF ``GPT2Config`` (sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+BiasMode = Literal["none", "all", "lora_only"]
+_BIAS_MODES = ("none", "all", "lora_only")
+# Modules of a GPT-2 block that LoRA can adapt (canonical HF names, see naming.py).
+LORA_TARGETS = ("c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "c_proj", "c_fc", "wte")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA hyper-parameters (loralib semantics).
+
+    Args:
+        r: rank of the update; 0 disables LoRA.
+        alpha: the update is scaled by ``alpha / r``.
+        dropout: dropout on the layer input before ``lora_A`` (training only).
+        target_modules: module names or suffixes to adapt (``"c_attn"`` adapts every
+            block's fused qkv projection; ``"attn.c_proj"`` only attention outputs).
+        enable_lora: for the fused ``c_attn`` (q, k, v), which slices get their own
+            LoRA pair; the paper adapts q and v: ``(True, False, True)``. ``None``
+            adapts ``c_attn`` as one matrix (one A, one B, as peft does).
+        bias: which biases train: ``none``, ``all``, or ``lora_only`` (biases of
+            adapted layers).
+        seed: seed of the numpy RNG that draws ``lora_A`` (so both backends start equal).
+    """
+
+    r: int = 4
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("c_attn",)
+    enable_lora: tuple[bool, bool, bool] | None = (True, False, True)
+    bias: BiasMode = "none"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 0:
+            raise ValueError(f"LoRAConfig.r must be an int >= 0, got {self.r!r}")
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ValueError(f"LoRAConfig.alpha must be a number > 0, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.bias not in _BIAS_MODES:
+            raise ValueError(f"LoRAConfig.bias must be one of {_BIAS_MODES}, got {self.bias!r}")
+        targets = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
+        targets = tuple(targets)
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            raise ValueError(f"LoRAConfig.target_modules: unknown {bad or targets!r}; choose from {LORA_TARGETS}")
+        object.__setattr__(self, "target_modules", targets)
+        if self.enable_lora is not None:
+            el = tuple(self.enable_lora)
+            if len(el) != 3 or not all(isinstance(b, bool) for b in el) or not any(el):
+                raise ValueError(
+                    f"LoRAConfig.enable_lora must be None or 3 booleans (q, k, v) with at least one True, "
+                    f"got {self.enable_lora!r}"
+                )
+            object.__setattr__(self, "enable_lora", el)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r if self.r else 0.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["target_modules"] = list(self.target_modules)
+        d["enable_lora"] = None if self.enable_lora is None else list(self.enable_lora)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoRAConfig":
+        return cls(**_checked_kwargs(cls, d))
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 architecture (HF ``GPT2Config`` names).
+
+    gelu uses the tanh approximation, LayerNorm eps 1e-5, the LM head is tied to
+    ``wte``. Dropouts default to 0 as in the LoRA paper's code: LoRA dropout is
+    the only one the recipes use.
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+    embd_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"GPT2Config.{name} must be a positive int, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"GPT2Config.{name} must be in [0, 1), got {v!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPT2Config":
+        return cls(**_checked_kwargs(cls, d))
+
+    @classmethod
+    def from_hf_json(cls, path: str) -> "GPT2Config":
+        """Read an HF ``config.json`` (keys we do not model are ignored: they are HF bookkeeping)."""
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        keys = {f.name for f in dataclasses.fields(cls)}
+        if d.get("model_type", "gpt2") != "gpt2":
+            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not gpt2")
+        return cls(**{k: v for k, v in d.items() if k in keys})
+
+
+# Model sizes in one table (HF / OpenAI GPT-2; tiny ones for tests and the demo).
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20),
+    "tiny": GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+    "tiny-32": GPT2Config(vocab_size=500, n_positions=64, n_embd=32, n_layer=2, n_head=2),
+}
+
+
+def gpt2_config(name: str, **overrides) -> GPT2Config:
+    """A preset by name, with field overrides (e.g. ``vocab_size`` of a small tokenizer)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT-2 preset {name!r}; choose from {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _checked_kwargs(cls, d: dict) -> dict:
+    keys = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - keys)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(keys)}")
+    d = dict(d)
+    for k in ("target_modules", "enable_lora"):
+        if isinstance(d.get(k), list):
+            d[k] = tuple(d[k])
+    return d
+
+
+__all__ = ["LoRAConfig", "GPT2Config", "PRESETS", "gpt2_config", "LORA_TARGETS", "BiasMode"]
