@@ -12,6 +12,8 @@ paper's formatted files.
 Unlike the paper scripts, nothing malformed is skipped or half-read: a line without
 ``||``, broken JSON, a missing field or an empty completion raises
 :class:`DataFormatError` naming the file, the 1-based line number and the reason.
+``allow_empty=True`` keeps empty completions, which real data has: DART v1.1.1's test
+set holds one empty annotation (``test_formatted.jsonl`` line 117).
 The one documented filter is WebNLG's: only lexicalisations whose ``comment`` is
 ``"good"`` are kept, as in the paper.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "convert_e2e",
     "convert_webnlg",
     "convert_dart",
+    "iter_lines",
     "read_jsonl",
     "read_formatted",
     "read_encoded",
@@ -78,7 +81,7 @@ class DataFormatError(ValueError):
 # --------------------------------------------------------------------------- I/O
 
 
-def _iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """Yield ``(1-based line number, text)``; split on ``\\n`` only, decode strictly."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -101,7 +104,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         DataFormatError: on an empty line, broken JSON or a value that is not an object.
     """
     records = []
-    for lineno, text in _iter_lines(path):
+    for lineno, text in iter_lines(path):
         if not text.strip():
             raise DataFormatError(path, lineno, "empty line")
         try:
@@ -114,7 +117,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def _check_formatted(path, lineno: int, rec: dict) -> None:
+_EMPTY = "empty completion (allow_empty=True, or --allow-empty, keeps it)"
+
+
+def _check_formatted(path, lineno: int, rec: dict, allow_empty: bool) -> None:
     for key in ("context", "completion"):
         if key not in rec:
             raise DataFormatError(path, lineno, f"missing field {key!r}")
@@ -122,21 +128,25 @@ def _check_formatted(path, lineno: int, rec: dict) -> None:
             raise DataFormatError(path, lineno, f"field {key!r} must be a string")
     if not rec["context"].strip():
         raise DataFormatError(path, lineno, "empty context")
-    if not rec["completion"].strip():
-        raise DataFormatError(path, lineno, "empty completion")
+    if not allow_empty and not rec["completion"].strip():
+        raise DataFormatError(path, lineno, _EMPTY)
     if "cate" in rec and not isinstance(rec["cate"], bool):
         raise DataFormatError(path, lineno, "field 'cate' must be true or false")
 
 
-def read_formatted(path: str | os.PathLike) -> list[dict]:
+def read_formatted(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Read a formatted file (``{"context", "completion"[, "cate"]}`` per line), validated.
+
+    Args:
+        path: the file.
+        allow_empty: keep empty completions instead of raising (DART's test set has one).
 
     Raises:
         DataFormatError: as :func:`read_jsonl`, or on a missing/empty/non-string field.
     """
     records = read_jsonl(path)
     for lineno, rec in enumerate(records, 1):
-        _check_formatted(path, lineno, rec)
+        _check_formatted(path, lineno, rec, allow_empty)
     return records
 
 
@@ -188,18 +198,22 @@ def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> None
 # --------------------------------------------------------------------------- converters
 
 
-def convert_e2e(path: str | os.PathLike) -> list[dict]:
+def convert_e2e(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Convert E2E ``MR||text`` lines (format_converting_e2e.py).
 
     As the paper: the line is stripped, then split at ``||``; context is the part
     before (kept verbatim), completion the part after.
 
+    Args:
+        path: the file.
+        allow_empty: keep an empty text instead of raising.
+
     Raises:
-        DataFormatError: on an empty line, no ``||``, more than one ``||``, or an
-            empty MR or text.
+        DataFormatError: on an empty line, no ``||``, more than one ``||``, an
+            empty MR, or an empty text (unless ``allow_empty``).
     """
     records = []
-    for lineno, text in _iter_lines(path):
+    for lineno, text in iter_lines(path):
         line = text.strip()
         if not line:
             raise DataFormatError(path, lineno, "empty line")
@@ -211,8 +225,8 @@ def convert_e2e(path: str | os.PathLike) -> list[dict]:
         context, completion = parts
         if not context.strip():
             raise DataFormatError(path, lineno, "empty MR")
-        if not completion.strip():
-            raise DataFormatError(path, lineno, "empty completion")
+        if not allow_empty and not completion.strip():
+            raise DataFormatError(path, lineno, _EMPTY)
         records.append({"context": context, "completion": completion})
     return records
 
@@ -260,7 +274,7 @@ def _iter_json_array(path, text: str, i: int, line_at) -> Iterator[tuple[int, An
 
 
 def _load_json(path) -> tuple[str, Any]:
-    text = "".join(t for _, t in _iter_lines(path))
+    text = "".join(t for _, t in iter_lines(path))
     try:
         return text, json.loads(text)
     except json.JSONDecodeError as e:
@@ -298,7 +312,7 @@ def _field(path, line: int, obj: Any, key: str, kind: type, where: str):
     return obj[key]
 
 
-def convert_webnlg(path: str | os.PathLike) -> list[dict]:
+def convert_webnlg(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Convert WebNLG 2017 JSON (``{"entries": [{"<k>": entry}, ...]}``; format_converting_webnlg.py).
 
     Context: the ``modifiedtripleset`` as ``"subj : prop : obj"`` joined by ``" | "``.
@@ -308,9 +322,13 @@ def convert_webnlg(path: str | os.PathLike) -> list[dict]:
     category is in :data:`WEBNLG_SEEN_CATEGORIES`. Line numbers in errors point at the
     start of the offending entry.
 
+    Args:
+        path: the file.
+        allow_empty: keep an empty ``lex`` instead of raising.
+
     Raises:
         DataFormatError: on broken JSON, a missing field, an entry with no triple,
-            or an empty ``good`` ``lex``.
+            or an empty ``good`` ``lex`` (unless ``allow_empty``).
     """
     text, top = _load_json(path)
     records = []
@@ -332,21 +350,27 @@ def convert_webnlg(path: str | os.PathLike) -> list[dict]:
             if _field(path, line, lex, "comment", str, w) != "good":
                 continue
             completion = _field(path, line, lex, "lex", str, w)
-            if not completion.strip():
-                raise DataFormatError(path, line, f"{w}: empty completion")
+            if not allow_empty and not completion.strip():
+                raise DataFormatError(path, line, f"{w}: {_EMPTY}")
             records.append({"context": context, "completion": completion, "cate": category in WEBNLG_SEEN_CATEGORIES})
     return records
 
 
-def convert_dart(path: str | os.PathLike) -> list[dict]:
+def convert_dart(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Convert DART JSON (a list of ``{"tripleset", "annotations"}``; format_converting_dart.py).
 
     Context: triples ``[subj, rel, obj]`` as ``"subj : rel.lower() : obj"`` joined by
     ``" | "`` (relations lower-cased as in the paper). One record per annotation ``text``.
 
+    Args:
+        path: the file.
+        allow_empty: keep an empty ``text`` instead of raising (the v1.1.1 test set
+            has one).
+
     Raises:
         DataFormatError: on broken JSON, a missing field, a triple that is not three
-            strings, an example with no triple or no annotation, or an empty ``text``.
+            strings, an example with no triple or no annotation, or an empty ``text``
+            (unless ``allow_empty``).
     """
     text, top = _load_json(path)
     records = []
@@ -367,13 +391,13 @@ def convert_dart(path: str | os.PathLike) -> list[dict]:
         context = " | ".join(parts)
         for j, ann in enumerate(annotations, 1):
             completion = _field(path, line, ann, "text", str, f"{where}, annotation {j}")
-            if not completion.strip():
-                raise DataFormatError(path, line, f"{where}, annotation {j}: empty completion")
+            if not allow_empty and not completion.strip():
+                raise DataFormatError(path, line, f"{where}, annotation {j}: {_EMPTY}")
             records.append({"context": context, "completion": completion})
     return records
 
 
-CONVERTERS: dict[str, Callable[[str | os.PathLike], list[dict]]] = {
+CONVERTERS: dict[str, Callable[..., list[dict]]] = {
     "e2e": convert_e2e,
     "webnlg": convert_webnlg,
     "dart": convert_dart,
@@ -381,15 +405,17 @@ CONVERTERS: dict[str, Callable[[str | os.PathLike], list[dict]]] = {
 }
 
 
-def convert(kind: str, path: str | os.PathLike) -> list[dict]:
+def convert(kind: str, path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Dispatch to a converter by name: ``e2e``, ``webnlg``, ``dart`` or ``formatted``.
+
+    ``allow_empty`` keeps empty completions (see :func:`read_formatted`).
 
     Raises:
         ValueError: naming the valid kinds when ``kind`` is unknown.
     """
     if kind not in CONVERTERS:
         raise ValueError(f"unknown data kind {kind!r}; choose one of {sorted(CONVERTERS)}")
-    return CONVERTERS[kind](path)
+    return CONVERTERS[kind](path, allow_empty=allow_empty)
 
 
 # --------------------------------------------------------------------------- grouping

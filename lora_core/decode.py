@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lora_core.data import DataFormatError, ReferenceGroup, _iter_lines, write_text_atomic
+from .data import DataFormatError, ReferenceGroup, iter_lines, write_text_atomic
 
 __all__ = [
     "clean_text",
@@ -44,6 +44,7 @@ __all__ = [
     "filter_groups",
     "write_e2e_files",
     "write_multi_ref_files",
+    "make_eval_files",
 ]
 
 RefType = Literal["e2e", "webnlg", "dart"]
@@ -108,7 +109,7 @@ def read_beam_jsonl(path: str | os.PathLike, n_expected: int, vocab_size: int | 
     """
     out: list[list[int] | None] = [None] * n_expected
     n_lines = 0
-    for lineno, text in _iter_lines(path):
+    for lineno, text in iter_lines(path):
         n_lines += 1
         try:
             obj = json.loads(text)
@@ -231,3 +232,47 @@ def write_multi_ref_files(
         write_text_atomic(ref_dir / f"reference{k}", _lines(col))
     write_text_atomic(pred_path, _lines([pp(h) for h in hypotheses]))
     return n
+
+
+def make_eval_files(
+    tok,
+    beam_path: str | os.PathLike,
+    records: Sequence[dict],
+    ref_type: RefType,
+    ref_out: str | os.PathLike,
+    pred_out: str | os.PathLike,
+    filter: Filter = "all",
+    ref_num: int | None = None,
+    pad: Literal["first", "empty"] = "first",
+    tokenize: bool = False,
+    lower: bool = False,
+    source: str = "<records>",
+) -> dict:
+    """Beam-search JSONL + the formatted test records -> the evaluator's files.
+
+    Args:
+        tok: the :class:`lora_core.tokenizer.Tokenizer` used for encoding.
+        beam_path: ``{"index", "tokens"}`` lines, one per unique context of ``records``.
+        records: formatted test records (``context``, ``completion``[, ``cate``]).
+        ref_type: ``e2e`` (``ref_out`` is a file) or ``webnlg``/``dart`` (a folder).
+        ref_out, pred_out: outputs.
+        filter, ref_num, pad, tokenize, lower: see :func:`filter_groups`,
+            :func:`write_multi_ref_files`, :func:`post_process`. The paper runs E2E
+            with neither ``tokenize`` nor ``lower``, WebNLG/DART with both and N=6.
+        source: name of ``records``' file for error messages.
+
+    Returns:
+        ``{"instances": kept instances, "references": N (1 line per ref for e2e: None)}``.
+    """
+    from .data import group_references
+
+    if ref_type not in ("e2e", "webnlg", "dart"):
+        raise ValueError(f"unknown ref_type {ref_type!r}; choose one of ['e2e', 'webnlg', 'dart']")
+    groups = group_references(records, source)
+    hyps = decode_predictions(tok, read_beam_jsonl(beam_path, len(groups), tok.vocab_size))
+    groups, hyps = filter_groups(groups, hyps, filter)
+    if ref_type == "e2e":
+        write_e2e_files(groups, hyps, ref_out, pred_out, tokenize, lower)
+        return {"instances": len(groups), "references": None}
+    n = write_multi_ref_files(groups, hyps, ref_out, pred_out, ref_num, pad, tokenize, lower)
+    return {"instances": len(groups), "references": n}

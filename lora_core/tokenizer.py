@@ -128,14 +128,14 @@ def encode_file(tok: Tokenizer, records: Sequence[dict], batch_size: int = 4096,
     Returns:
         ``{"context": ids, "completion": ids}`` per record, ``cate`` kept when present.
     """
-    starts = range(0, len(records), batch_size)
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        starts = tqdm(starts, desc="encode", unit="batch")
+        bar = tqdm(total=len(records), desc="encode", unit="ex")
     out = []
     eos = [tok.eos_id]
-    for s in starts:
+    for s in range(0, len(records), batch_size):
         chunk = records[s : s + batch_size]
         ctx = tok.encode_batch([r["context"] for r in chunk])
         comp = tok.encode_batch([" " + r["completion"] for r in chunk])
@@ -144,4 +144,8 @@ def encode_file(tok: Tokenizer, records: Sequence[dict], batch_size: int = 4096,
             if "cate" in r:
                 enc["cate"] = r["cate"]
             out.append(enc)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
     return out

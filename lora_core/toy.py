@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_core.data import write_text_atomic
-from lora_core.tokenizer import EOS_TOKEN
+from .data import write_text_atomic
+from .tokenizer import EOS_TOKEN
 
 __all__ = ["SLOTS", "make_toy_dataset", "realise", "sample_mr", "train_toy_tokenizer"]
 
