@@ -342,7 +342,9 @@ def convert_webnlg(path: str | os.PathLike, allow_empty: bool = False) -> list[d
             raise DataFormatError(path, line, f"{where}: empty modifiedtripleset")
         parts = []
         for t, triple in enumerate(triples, 1):
-            s, p, o = (_field(path, line, triple, f, str, f"{where}, triple {t}") for f in ("subject", "property", "object"))
+            s, p, o = (
+                _field(path, line, triple, f, str, f"{where}, triple {t}") for f in ("subject", "property", "object")
+            )
             parts.append(f"{s} : {p} : {o}")
         context = " | ".join(parts)
         for j, lex in enumerate(lexes, 1):
@@ -455,6 +457,8 @@ def group_references(records: Sequence[dict], source: str = "<records>") -> list
         if g is None:
             g = groups[key] = ReferenceGroup(context=ctx, cate=cate)
         elif g.cate != cate:
-            raise DataFormatError(source, i + 1, f"cate={cate} differs from cate={g.cate} of an earlier record with the same context")
+            raise DataFormatError(
+                source, i + 1, f"cate={cate} differs from cate={g.cate} of an earlier record with the same context"
+            )
         g.references.append(rec["completion"])
     return list(groups.values())

@@ -27,10 +27,19 @@ __all__ = ["SLOTS", "make_toy_dataset", "realise", "sample_mr", "train_toy_token
 # slot -> values, in the E2E files' slot order.
 SLOTS: dict[str, tuple[str, ...]] = {
     "name": (
-        "The Eagle", "The Golden Lion", "Blue Harbour", "The Copper Kettle", "Green Garden",
-        "The Old Mill", "Red Fox", "The Silver Spoon", "Sunrise", "The Stone Bridge",
-        "Little Italy", "The Lantern",
-    ),  # fmt: skip
+        "The Eagle",
+        "The Golden Lion",
+        "Blue Harbour",
+        "The Copper Kettle",
+        "Green Garden",
+        "The Old Mill",
+        "Red Fox",
+        "The Silver Spoon",
+        "Sunrise",
+        "The Stone Bridge",
+        "Little Italy",
+        "The Lantern",
+    ),
     "Type": ("pub", "restaurant", "coffee shop"),
     "food": ("French", "English", "Italian", "Chinese", "Indian", "Japanese", "Fast food"),
     "price": ("cheap", "moderate", "high"),

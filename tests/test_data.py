@@ -155,11 +155,13 @@ def webnlg_entry(lex="The leader of Aarhus is Jacob.", comment="good", category=
 
 def test_webnlg_small_and_errors(tmp_path):
     f = tmp_path / "w.json"
-    f.write_text(webnlg_doc([webnlg_entry(), webnlg_entry(category="Artist", comment="toFix")]), encoding="utf-8")
-    assert convert_webnlg(f) == [
-        {"context": "Aarhus : leaderName : Jacob | Aarhus : country : Denmark",
-         "completion": "The leader of Aarhus is Jacob.", "cate": True},
-    ]  # fmt: skip
+    entries = [webnlg_entry(), webnlg_entry(category="Artist", comment="toFix"), webnlg_entry("Hi.", category="Artist")]
+    f.write_text(webnlg_doc(entries), encoding="utf-8")
+    context = "Aarhus : leaderName : Jacob | Aarhus : country : Denmark"
+    assert convert_webnlg(f) == [  # only 'good' lexicalisations; cate: category seen in training
+        {"context": context, "completion": "The leader of Aarhus is Jacob.", "cate": True},
+        {"context": context, "completion": "Hi.", "cate": False},
+    ]
     # entry 2 lacks 'lex': the error points at the line where entry 2 starts
     bad = webnlg_entry()
     del bad["lexicalisations"][0]["lex"]
@@ -175,7 +177,10 @@ def test_webnlg_small_and_errors(tmp_path):
 
 def test_dart_small_and_errors(tmp_path):
     f = tmp_path / "d.json"
-    ex = {"tripleset": [["Mars Hill College", "JOINED", "1973"]], "annotations": [{"source": "x", "text": "It joined in 1973."}]}
+    ex = {
+        "tripleset": [["Mars Hill College", "JOINED", "1973"]],
+        "annotations": [{"source": "x", "text": "It joined in 1973."}],
+    }
     f.write_text(json.dumps([ex, ex], indent=2), encoding="utf-8")
     assert convert_dart(f) == [{"context": "Mars Hill College : joined : 1973", "completion": "It joined in 1973."}] * 2
     bad = {"tripleset": [["a", "B"]], "annotations": [{"text": "t"}]}
@@ -210,8 +215,18 @@ def test_group_references():
         {"context": "c", "completion": "4"},
     ]
     groups = group_references(recs)
-    assert [(g.context, g.references, g.cate) for g in groups] == [("a", ["1", "3"], None), ("b", ["2"], None), ("c", ["4"], None)]
-    enc = [{"context": [1, 2], "completion": [5]}, {"context": [1, 2], "completion": [6], }]
+    assert [(g.context, g.references, g.cate) for g in groups] == [
+        ("a", ["1", "3"], None),
+        ("b", ["2"], None),
+        ("c", ["4"], None),
+    ]
+    enc = [
+        {"context": [1, 2], "completion": [5]},
+        {
+            "context": [1, 2],
+            "completion": [6],
+        },
+    ]
     assert [(g.context, g.references) for g in group_references(enc)] == [([1, 2], [[5], [6]])]
     cated = [{"context": "a", "completion": "1", "cate": True}, {"context": "a", "completion": "2", "cate": False}]
     with pytest.raises(DataFormatError, match=r"^t\.jsonl, line 2: cate=False differs"):

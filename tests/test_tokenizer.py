@@ -58,7 +58,9 @@ def test_gpt2_ids(vocab_dir):
 @pytest.fixture(scope="module")
 def texts(all_records):
     """Every context and " " + completion of the shared files, once each (73k of 116k)."""
-    return list(dict.fromkeys(t for recs in all_records.values() for r in recs for t in (r["context"], " " + r["completion"])))
+    return list(
+        dict.fromkeys(t for recs in all_records.values() for r in recs for t in (r["context"], " " + r["completion"]))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,9 @@ def test_identity_with_transformers_on_all_shared_lines(loader, vocab_dir, all_r
     for text, ids in zip(texts, ours):
         assert ids == hf_ids[text], text
     n_lines = sum(len(r) for r in all_records.values())
-    print(f"\n{loader}: {n_lines} lines ({len(texts)} unique texts) identical to GPT2TokenizerFast; ours {elapsed:.1f} s")
+    print(
+        f"\n{loader}: {n_lines} lines ({len(texts)} unique texts) identical to GPT2TokenizerFast; ours {elapsed:.1f} s"
+    )
     assert n_lines == 7570 + 4672 + 4693 + 3244 + 2258 + 4928 + 11278 + 6980 + 12552
 
 

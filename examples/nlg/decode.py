@@ -36,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref-type", choices=["e2e", "webnlg", "dart"], required=True)
     parser.add_argument("--ref-out", type=Path, required=True, help="reference file (e2e) or folder (webnlg, dart)")
     parser.add_argument("--pred-out", type=Path, required=True, help="prediction file")
-    parser.add_argument("--ref-num", type=int, default=None,
-                        help="number of reference files for webnlg/dart (paper: 6; default: the most of any input)")  # fmt: skip
+    parser.add_argument(
+        "--ref-num",
+        type=int,
+        default=None,
+        help="reference files for webnlg/dart (paper: 6; default: most refs of any input)",
+    )
     parser.add_argument("--pad", choices=["first", "empty"], default="first",
                         help="fill for missing references: the first reference (paper) or an empty line")  # fmt: skip
     parser.add_argument("--tokenize", action="store_true", help="split off non-word characters (paper: webnlg, dart)")

@@ -36,7 +36,12 @@ def _split_arg(text: str) -> tuple[str, Path]:
 
 
 def prepare(
-    kind: str, inputs: list[tuple[str, Path]], out_dir: Path, vocab: str, progress: bool = True, allow_empty: bool = False
+    kind: str,
+    inputs: list[tuple[str, Path]],
+    out_dir: Path,
+    vocab: str,
+    progress: bool = True,
+    allow_empty: bool = False,
 ) -> dict:
     """Convert and encode each ``(split, path)``; returns ``{split: (formatted, encoded)}`` paths."""
     tok = load_tokenizer(vocab)
@@ -62,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in CONVERTERS:
         p = sub.add_parser(kind, help=f"convert {kind} inputs" if kind != "formatted" else "encode formatted JSONL")
         p.add_argument("inputs", nargs="+", type=_split_arg, metavar="[SPLIT=]PATH")
-        p.add_argument("--vocab", required=True, help="tokenizer folder/file or hub name, e.g. ../shared/data/gpt2-vocab")
+        p.add_argument(
+            "--vocab", required=True, help="tokenizer folder/file or hub name, e.g. ../shared/data/gpt2-vocab"
+        )
         p.add_argument("--out-dir", type=Path, required=True)
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--allow-empty", action="store_true", help="keep empty completions (DART's test set has one)")
