@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import GPT2Config, LoRAConfig
-from .naming import NON_PARAMETER_SUFFIXES, TRANSPOSED, base_shapes, lora_shapes, trainable_names
+from .naming import TRANSPOSED, is_non_parameter, base_shapes, lora_shapes, trainable_names
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter.safetensors"
 MODEL_CONFIG, MODEL_WEIGHTS = "config.json", "model.safetensors"
@@ -139,7 +139,7 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None
         if name == "lm_head.weight":
             lm_head = v
             continue
-        if name.endswith(NON_PARAMETER_SUFFIXES):
+        if is_non_parameter(name):
             continue
         if name.endswith(TRANSPOSED):
             v = v.T
@@ -216,3 +216,63 @@ def load_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, GPT2Config, dict[
     tensors = read_tensors(path / ADAPTER_WEIGHTS)
     check_tensors(path / ADAPTER_WEIGHTS, tensors, adapter_shapes(cfg, lora))
     return lora, cfg, tensors, meta.get("base")
+
+
+def full_weights(cfg: GPT2Config, lora: LoRAConfig | None, base: dict[str, np.ndarray] | None,
+                 lora_weights: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every tensor a model with ``lora`` needs: the base plus LoRA values.
+
+    ``lora_weights`` default to the seeded ``init_lora_weights``; a base is required
+    (pass ``init_gpt2_weights(cfg, seed)`` for a random one, explicitly).
+    """
+    from .init import init_lora_weights
+    if base is None:
+        raise CheckpointError("no base weights given: a LoRA model needs its base model "
+                              "(pass pretrained weights, or init_gpt2_weights(cfg) explicitly)")
+    check_tensors("base weights", base, base_shapes(cfg))
+    out = dict(base)
+    if lora is not None and lora.r:
+        lw = init_lora_weights(cfg, lora) if lora_weights is None else lora_weights
+        check_tensors("lora weights", lw, lora_shapes(cfg, lora))
+        out.update(lw)
+    return out
+
+
+def resolve_pretrained(path: str | os.PathLike | None, lora: LoRAConfig | None = None,
+                       adapter: str | os.PathLike | None = None
+                       ) -> tuple[GPT2Config, LoRAConfig | None, dict[str, np.ndarray]]:
+    """Weights for ``from_pretrained``: a GPT-2 checkpoint (HF/OpenAI files or ``save_model``
+    output) plus an optional adapter folder, whose LoRA config then wins over ``lora``.
+
+    Raises:
+        CheckpointError: an adapter without a base path, or an adapter trained on a
+            different architecture.
+    """
+    if path is None:
+        raise CheckpointError(f"adapter {adapter} given without its base model: pass the base checkpoint "
+                              f"it was trained on (an adapter alone is not a model)" if adapter else
+                              "no checkpoint path given")
+    p = Path(path)
+    if (p / MODEL_CONFIG).is_file() and (p / MODEL_WEIGHTS).is_file() and _is_ours(p / MODEL_CONFIG):
+        cfg, saved_lora, tensors = load_model(p)
+        base = {k: v for k, v in tensors.items() if k in base_shapes(cfg)}
+        lora_w = {k: v for k, v in tensors.items() if k not in base} or None
+        lora = lora or saved_lora
+        if lora_w is not None and saved_lora != lora:
+            lora_w = None
+    else:
+        cfg, base = load_gpt2_checkpoint(p)
+        lora_w = None
+    if adapter is not None:
+        a_lora, a_cfg, a_tensors, _ = load_adapter(adapter)
+        if a_cfg != cfg:
+            raise CheckpointError(f"{adapter}: adapter was trained on {a_cfg}, base {path} is {cfg}")
+        lora = a_lora
+        base = dict(base, **{k: v for k, v in a_tensors.items() if k in base})
+        lora_w = {k: v for k, v in a_tensors.items() if k not in base}
+    return cfg, lora, full_weights(cfg, lora, base, lora_w)
+
+
+def _is_ours(cfg_path: Path) -> bool:
+    with open(cfg_path, encoding="utf-8") as f:
+        return "lora_core_format" in json.load(f)

@@ -14,7 +14,12 @@ from .config import GPT2Config, LoRAConfig
 # Conv1D weights in HF/OpenAI checkpoints, stored (in, out): transposed once on load.
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers some checkpoints carry that are not parameters (the causal mask): dropped by name.
-NON_PARAMETER_SUFFIXES = ("attn.bias", "attn.masked_bias")
+NON_PARAMETER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def is_non_parameter(name: str) -> bool:
+    """``h.3.attn.bias`` (a mask buffer), not ``h.3.attn.c_attn.bias`` (a parameter)."""
+    return name.startswith("h.") and name.count(".") == 3 and name.endswith(NON_PARAMETER_SUFFIXES)
 LORA_MARK = "lora_"
 
 
@@ -100,3 +105,12 @@ def count_parameters(shapes: dict[str, tuple[int, ...]]) -> int:
             n *= d
         total += n
     return total
+
+
+def adapter_names(model) -> set[str]:
+    """What an adapter of ``model`` holds: names from its configs if it has them
+    (``model.config``, ``model.lora_config``), else every ``lora_`` parameter name."""
+    cfg, lora = getattr(model, "config", None), getattr(model, "lora_config", None)
+    if cfg is not None and lora is not None:
+        return set(trainable_names(cfg, lora))
+    return {n for n, _ in model.named_parameters() if LORA_MARK in n}

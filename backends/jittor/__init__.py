@@ -1,0 +1,47 @@
+"""Jittor backend of lora_core (same modules, names and signatures as ``backends.torch``).
+
+Importing it configures jittor for this machine first (``_env``): CPU when no NVIDIA
+driver is present. It never imports torch.
+"""
+
+from __future__ import annotations
+
+from ._env import configure as _configure
+
+_configure()
+
+from lora_core import build as _build
+
+from .lora import (
+    LoRAEmbedding,
+    LoRALinear,
+    LoRAMergedLinear,
+    count_trainable,
+    lora_state_dict,
+    mark_only_lora_as_trainable,
+    merge_lora,
+    trainable_parameters,
+    unmerge_lora,
+)
+from .model import GPT2LMModel
+from .optim import AdamW
+from .train import eval_nll, lm_loss, train_step
+
+NAME = "jittor"
+
+
+def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = True):
+    """A ``GPT2LMModel`` holding ``base`` (+ LoRA values); see ``lora_core.build.build_model``."""
+    return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
+
+
+def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
+    """Load a GPT-2 checkpoint, optionally with an adapter; see ``lora_core.build.from_pretrained``."""
+    return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable)
+
+
+__all__ = [
+    "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear",
+    "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict",
+    "mark_only_lora_as_trainable", "merge_lora", "train_step", "trainable_parameters", "unmerge_lora",
+]

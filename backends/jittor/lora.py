@@ -1,0 +1,175 @@
+"""LoRA layers for Jittor; contract and math as in ``backends.torch.lora`` / ``lora_core.reference``.
+
+Jittor idioms: ``execute``; weights change through ``Var.update`` (no ``.data`` writes);
+trainability is ``Var.requires_grad`` (``stop_grad``), owned by
+``mark_only_lora_as_trainable`` and kept across ``train()``/``eval()`` by ``GPT2LMModel``.
+"""
+
+from __future__ import annotations
+
+import jittor as jt
+from jittor import nn
+
+from lora_core.naming import LORA_MARK, adapter_names
+
+
+def assign_keep_grad(p: jt.Var, value: jt.Var) -> None:
+    """Write ``value`` into parameter ``p`` in place, keeping whether ``p`` trains
+    (``Var.update``/``assign`` under ``no_grad`` would make it ``stop_grad``)."""
+    trains = p.requires_grad
+    p.assign(value.detach())
+    p.requires_grad = trains
+
+
+def _dropout(p: float):
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class LoRALinear(nn.Module):
+    """``y = x W^T + b + scaling * dropout(x) A^T B^T``; W (out, in), A (r, in), B (out, r)."""
+
+    def __init__(self, in_features: int, out_features: int, r: int = 0, alpha: float = 1.0,
+                 dropout: float = 0.0, bias: bool = True):
+        self.in_features, self.out_features, self.r = in_features, out_features, r
+        self.weight = jt.zeros((out_features, in_features))
+        self.bias = jt.zeros((out_features,)) if bias else None
+        self.scaling = alpha / r if r else 0.0
+        self.lora_dropout = _dropout(dropout)
+        self.merged = False
+        if r:
+            self.lora_A = jt.zeros((self._n_slices() * r, in_features))
+            self.lora_B = jt.zeros((self._slice_out() * self._n_slices(), r))
+
+    def _n_slices(self) -> int:
+        return 1
+
+    def _slice_out(self) -> int:
+        return self.out_features
+
+    def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
+        after_a = nn.matmul_transpose(self.lora_dropout(x), self.lora_A)
+        return base + nn.matmul_transpose(after_a, self.lora_B) * self.scaling
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        y = nn.matmul_transpose(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.r and not self.merged:
+            y = self._lora_out(x, y)
+        return y
+
+    def delta_weight(self) -> jt.Var:
+        return jt.matmul(self.lora_B, self.lora_A) * self.scaling
+
+    def merge(self) -> None:
+        if self.r and not self.merged:
+            assign_keep_grad(self.weight, self.weight + self.delta_weight())
+            self.merged = True
+
+    def unmerge(self) -> None:
+        if self.r and self.merged:
+            assign_keep_grad(self.weight, self.weight - self.delta_weight())
+            self.merged = False
+
+
+class LoRAMergedLinear(LoRALinear):
+    """Fused qkv with one LoRA pair per enabled slice (loralib ``MergedLinear``)."""
+
+    def __init__(self, in_features: int, out_features: int, r: int = 0, alpha: float = 1.0,
+                 dropout: float = 0.0, enable_lora: tuple[bool, ...] = (True, False, True), bias: bool = True):
+        self.enable_lora = tuple(enable_lora)
+        self.enabled = [i for i, on in enumerate(self.enable_lora) if on]
+        super().__init__(in_features, out_features, r, alpha, dropout, bias)
+
+    def _n_slices(self) -> int:
+        return len(self.enabled)
+
+    def _slice_out(self) -> int:
+        return self.out_features // len(self.enable_lora)
+
+    def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
+        after_a = nn.matmul_transpose(self.lora_dropout(x), self.lora_A)  # (..., k*r)
+        r, o = self.r, self._slice_out()
+        parts = [base[..., i * o:(i + 1) * o] for i in range(len(self.enable_lora))]
+        for j, i in enumerate(self.enabled):
+            parts[i] = parts[i] + nn.matmul_transpose(after_a[..., j * r:(j + 1) * r],
+                                                      self.lora_B[j * o:(j + 1) * o]) * self.scaling
+        return jt.concat(parts, dim=-1)
+
+    def delta_weight(self) -> jt.Var:
+        r, o = self.r, self._slice_out()
+        rows = []
+        for i in range(len(self.enable_lora)):
+            if i in self.enabled:
+                j = self.enabled.index(i)
+                rows.append(jt.matmul(self.lora_B[j * o:(j + 1) * o], self.lora_A[j * r:(j + 1) * r]))
+            else:
+                rows.append(jt.zeros((o, self.in_features)))
+        return jt.concat(rows, dim=0) * self.scaling
+
+
+class LoRAEmbedding(nn.Module):
+    """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0):
+        self.r = r
+        self.weight = jt.zeros((num_embeddings, embedding_dim))
+        self.scaling = alpha / r if r else 0.0
+        self.merged = False
+        if r:
+            self.lora_A = jt.zeros((r, num_embeddings))
+            self.lora_B = jt.zeros((embedding_dim, r))
+
+    def execute(self, ids: jt.Var) -> jt.Var:
+        y = self.weight[ids]
+        if self.r and not self.merged:
+            y = y + nn.matmul_transpose(self.lora_A.transpose()[ids], self.lora_B) * self.scaling
+        return y
+
+    def delta_weight(self) -> jt.Var:
+        return jt.matmul(self.lora_B, self.lora_A).transpose() * self.scaling
+
+    merge = LoRALinear.merge
+    unmerge = LoRALinear.unmerge
+
+
+def _lora_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Merge every LoRA layer (idempotent)."""
+    for m in _lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    """Undo ``merge_lora`` (idempotent)."""
+    for m in _lora_layers(model):
+        m.unmerge()
+
+
+def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
+    """Freeze all but ``lora_`` parameters and the biases ``bias`` selects."""
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+    lora_biases = {id(m.bias) for m in _lora_layers(model) if getattr(m, "bias", None) is not None}
+    for name, p in model.named_parameters():
+        p.requires_grad = (LORA_MARK in name or (bias == "all" and name.endswith(".bias"))
+                           or (bias == "lora_only" and id(p) in lora_biases))
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, jt.Var]:
+    """Name -> parameter of everything that trains, in module order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def count_trainable(model: nn.Module) -> int:
+    """Number of trainable scalars."""
+    return sum(int(p.numel()) for p in trainable_parameters(model).values())
+
+
+def lora_state_dict(model: nn.Module) -> dict:
+    """numpy copies of the adapter: ``lora_`` tensors and the biases the LoRA config trains."""
+    names = adapter_names(model)
+    return {n: p.numpy().copy() for n, p in model.named_parameters() if n in names}

@@ -1,0 +1,169 @@
+"""GPT-2 LM with LoRA for Jittor; the contract is documented in ``backends.torch.model``.
+
+``train()``/``eval()`` only switch dropout here: jittor's own ``Module.eval`` stops every
+gradient and its ``train`` restarts those it recorded on the first ``eval``, which would
+unfreeze frozen base weights; trainability belongs to ``mark_only_lora_as_trainable``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jittor as jt
+import numpy as np
+from jittor import nn
+
+from lora_core.checkpoint import check_tensors
+from lora_core.config import GPT2Config, LoRAConfig
+from lora_core.masks import attention_bias, positions
+from lora_core.naming import matches_target
+
+from .lora import LoRAEmbedding, assign_keep_grad, LoRALinear, LoRAMergedLinear
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: jt.Var) -> jt.Var:
+    return 0.5 * x * (1.0 + jt.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
+    if lora is None or lora.r == 0 or not any(matches_target(name, t) for t in lora.target_modules):
+        return LoRALinear(fin, fout)
+    if name.endswith("attn.c_attn") and lora.enable_lora is not None:
+        return LoRAMergedLinear(fin, fout, lora.r, lora.alpha, lora.dropout, lora.enable_lora)
+    return LoRALinear(fin, fout, lora.r, lora.alpha, lora.dropout)
+
+
+def _dropout(p: float):
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        E = cfg.n_embd
+        self.n_head = cfg.n_head
+        self.c_attn = _linear(prefix + "attn.c_attn", E, 3 * E, lora)
+        self.c_proj = _linear(prefix + "attn.c_proj", E, E, lora)
+        self.attn_dropout = _dropout(cfg.attn_pdrop)
+        self.resid_dropout = _dropout(cfg.resid_pdrop)
+
+    def execute(self, x, past, bias):
+        B, T, E = x.shape
+        hs = E // self.n_head
+        qkv = self.c_attn(x)
+        q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
+                   for i in range(3))  # (B, nh, T, hs)
+        if past is not None:
+            k, v = jt.concat([past[0], k], dim=2), jt.concat([past[1], v], dim=2)
+        att = jt.matmul(q, k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
+        att = self.attn_dropout(nn.softmax(att, dim=-1))
+        y = jt.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, E)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        E = cfg.n_embd
+        self.c_fc = _linear(prefix + "mlp.c_fc", E, 4 * E, lora)
+        self.c_proj = _linear(prefix + "mlp.c_proj", 4 * E, E, lora)
+        self.dropout = _dropout(cfg.resid_pdrop)
+
+    def execute(self, x):
+        return self.dropout(self.c_proj(gelu_tanh(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg, lora, prefix)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg, lora, prefix)
+
+    def execute(self, x, past, bias):
+        a, present = self.attn(self.ln_1(x), past, bias)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), present
+
+
+class GPT2LMModel(nn.Module):
+    """GPT-2 with a tied LM head and optional LoRA layers."""
+
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
+        self.config, self.lora_config = cfg, lora
+        wte_lora = lora is not None and lora.r and "wte" in lora.target_modules
+        self.wte = LoRAEmbedding(cfg.vocab_size, cfg.n_embd, lora.r, lora.alpha) if wte_lora \
+            else LoRAEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = LoRAEmbedding(cfg.n_positions, cfg.n_embd)
+        self.drop = _dropout(cfg.embd_pdrop)
+        self.h = nn.ModuleList([Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+
+    def train(self):
+        for m in self.modules():
+            m.is_train = True
+        return self
+
+    def eval(self):
+        for m in self.modules():
+            m.is_train = False
+        return self
+
+    def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        """Final hidden states (B, T, E) and the new KV cache."""
+        ids = _var(input_ids)
+        B, T = ids.shape
+        t_past = 0 if past is None else past[0][0].shape[2]
+        if t_past + T > self.config.n_positions:
+            raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
+        mask = None if attention_mask is None else _np(attention_mask)
+        if position_ids is None:
+            position_ids = positions(mask, B, T, t_past)
+        bias = jt.array(attention_bias(mask, T, t_past))
+        x = self.drop(self.wte(ids) + self.wpe(_var(position_ids)))
+        present = []
+        for i, block in enumerate(self.h):
+            x, kv = block(x, None if past is None else past[i], bias)
+            present.append(kv)
+        return self.ln_f(x), present
+
+    def lm_logits(self, h):
+        w = self.wte.weight
+        if self.wte.r and not self.wte.merged:
+            w = w + self.wte.delta_weight()
+        return nn.matmul_transpose(h, w)
+
+    def execute(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        h, present = self.hidden(input_ids, past, attention_mask, position_ids)
+        return self.lm_logits(h), present
+
+    def load_weights(self, tensors: dict) -> None:
+        """Copy numpy tensors into every parameter (strict)."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
+        self._assign(params, tensors)
+
+    def load_partial(self, tensors: dict) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if n in tensors})
+        self._assign(params, tensors)
+
+    @staticmethod
+    def _assign(params, tensors):
+        for n, v in tensors.items():
+            if n in params:
+                assign_keep_grad(params[n], jt.array(np.ascontiguousarray(v, dtype=np.float32)))
+        jt.sync(list(params.values()))
+
+    def state_numpy(self) -> dict:
+        return {n: p.numpy().copy() for n, p in self.named_parameters()}
+
+
+def _np(x):
+    return x.numpy() if isinstance(x, jt.Var) else np.asarray(x)
+
+
+def _var(x):
+    return x if isinstance(x, jt.Var) else jt.array(np.asarray(x, dtype=np.int64))
+

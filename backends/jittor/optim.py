@@ -1,0 +1,85 @@
+"""AdamW of the LoRA paper's code in Jittor; math in ``lora_core.optim``, contract in
+``backends.torch.optim``. Gradients come from ``jt.grad`` and are accumulated here."""
+
+from __future__ import annotations
+
+import jittor as jt
+import numpy as np
+
+from lora_core.optim import AdamWConfig, step_size
+
+from .lora import assign_keep_grad
+
+
+class AdamW:
+    """AdamW over the given ``{name: Var}`` (only those train; no state for others)."""
+
+    def __init__(self, params: dict, cfg: AdamWConfig = AdamWConfig()):
+        self.params, self.cfg, self.t = dict(params), cfg, 0
+        self.m = {n: jt.zeros(p.shape).stop_grad() for n, p in self.params.items()}
+        self.v = {n: jt.zeros(p.shape).stop_grad() for n, p in self.params.items()}
+        self.grads: dict | None = None
+
+    def backward(self, loss, scale: float = 1.0) -> None:
+        """Add ``scale * d loss / d p`` to the accumulated gradients."""
+        names = list(self.params)
+        gs = jt.grad(loss * scale if scale != 1.0 else loss, [self.params[n] for n in names])
+        if self.grads is None:
+            self.grads = {n: g.stop_grad() for n, g in zip(names, gs)}
+        else:
+            self.grads = {n: (self.grads[n] + g).stop_grad() for n, g in zip(names, gs)}
+        jt.sync(list(self.grads.values()))
+
+    def _grads(self):
+        if self.grads is None:
+            return {n: jt.zeros(p.shape) for n, p in self.params.items()}
+        return self.grads
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+        grads = self._grads()
+        norm = float(np.sqrt(sum(float((g.float64() ** 2).sum().item()) for g in grads.values())))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            self.grads = {n: g * coef for n, g in grads.items()}
+        return norm
+
+    def step(self, lr: float) -> None:
+        """One update with learning rate ``lr``, then clear the gradients."""
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        size = step_size(lr, self.t, self.cfg)
+        grads = self._grads()
+        with jt.no_grad():
+            for n, p in self.params.items():
+                g = grads[n]
+                m = self.m[n].update(self.m[n] * b1 + g * (1 - b1))
+                v = self.v[n].update(self.v[n] * b2 + g * g * (1 - b2))
+                new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
+                if self.cfg.weight_decay > 0:
+                    new = new - lr * self.cfg.weight_decay * new
+                assign_keep_grad(p, new)
+        jt.sync(list(self.params.values()) + list(self.m.values()) + list(self.v.values()))
+        self.grads = None
+
+    def zero_grad(self) -> None:
+        self.grads = None
+
+    def grads_numpy(self) -> dict:
+        return {n: g.numpy().copy() for n, g in self._grads().items()}
+
+    def state_numpy(self) -> dict:
+        out = {f"m.{n}": t.numpy().copy() for n, t in self.m.items()}
+        out.update({f"v.{n}": t.numpy().copy() for n, t in self.v.items()})
+        out["t"] = np.array(self.t, dtype=np.int64)
+        return out
+
+    def load_state_numpy(self, state: dict) -> None:
+        expected = {f"{k}.{n}" for n in self.params for k in ("m", "v")} | {"t"}
+        if set(state) != expected:
+            raise ValueError(f"optimizer state keys differ: missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}")
+        for n in self.params:
+            self.m[n].update(jt.array(state[f"m.{n}"]))
+            self.v[n].update(jt.array(state[f"v.{n}"]))
+        self.t = int(state["t"])

@@ -1,0 +1,46 @@
+"""Loss and training step for Jittor; contract and semantics in ``backends.torch.train``."""
+
+from __future__ import annotations
+
+import jittor as jt
+from jittor import nn
+
+
+def _gather_logits(model, batch):
+    h, _ = model.hidden(batch["input_ids"])
+    h = h.reshape(-1, h.shape[-1])[jt.array(batch["loss_index"])]  # (N, E)
+    return model.lm_logits(h), jt.array(batch["targets"])
+
+
+def lm_loss(model, batch: dict, label_smooth: float = 0.0):
+    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)``."""
+    logits, targets = _gather_logits(model, batch)
+    logp = nn.log_softmax(logits, dim=-1)
+    nll = -logp.gather(1, targets.reshape(-1, 1)).reshape(-1)
+    if label_smooth > 0:
+        nll = (1.0 - label_smooth) * nll + label_smooth * (-logp.mean(dim=-1))
+    return nll.mean()
+
+
+def train_step(model, optimizer, micro_batches: list, lr: float, label_smooth: float = 0.0,
+               max_grad_norm: float = 0.0) -> dict:
+    """One optimizer update over ``micro_batches`` (gradient accumulation)."""
+    model.train()
+    total = 0.0
+    for mb in micro_batches:
+        loss = lm_loss(model, mb, label_smooth)
+        optimizer.backward(loss, 1.0 / len(micro_batches))
+        total += float(loss.item())
+    norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")
+    optimizer.step(lr)
+    return {"loss": total / len(micro_batches), "grad_norm": norm}
+
+
+def eval_nll(model, batch: dict) -> tuple[float, int]:
+    """Summed NLL over the loss positions and their count."""
+    model.eval()
+    with jt.no_grad():
+        logits, targets = _gather_logits(model, batch)
+        logp = nn.log_softmax(logits, dim=-1)
+        nll = -logp.gather(1, targets.reshape(-1, 1)).sum()
+        return float(nll.item()), int(targets.shape[0])

@@ -1,0 +1,178 @@
+"""LoRA layers for PyTorch (loralib names and layouts; peft-style explicit merge).
+
+The contract (shapes, init, merge semantics) is defined in ``lora_core.naming`` and
+``lora_core.reference``; this file is its PyTorch form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_core.naming import LORA_MARK, adapter_names
+
+
+class LoRALinear(nn.Module):
+    """``y = x W^T + b + scaling * dropout(x) A^T B^T``; W (out, in), A (r, in), B (out, r)."""
+
+    def __init__(self, in_features: int, out_features: int, r: int = 0, alpha: float = 1.0,
+                 dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.r = in_features, out_features, r
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.scaling = alpha / r if r else 0.0
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+        if r:
+            self.lora_A = nn.Parameter(torch.zeros(self._n_slices() * r, in_features))
+            self.lora_B = nn.Parameter(torch.zeros(self._slice_out() * self._n_slices(), r))
+
+    def _n_slices(self) -> int:
+        return 1
+
+    def _slice_out(self) -> int:
+        return self.out_features
+
+    def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        return base + (self.lora_dropout(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.r and not self.merged:
+            y = self._lora_out(x, y)
+        return y
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B A`` laid out like ``weight``."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the update into ``weight`` (idempotent)."""
+        if self.r and not self.merged:
+            self.weight += self.delta_weight()
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update from ``weight`` (idempotent)."""
+        if self.r and self.merged:
+            self.weight -= self.delta_weight()
+            self.merged = False
+
+
+class LoRAMergedLinear(LoRALinear):
+    """Fused qkv projection with one LoRA pair per enabled slice (loralib ``MergedLinear``).
+
+    A is (k*r, in), B is (k*out/3, r) for k enabled slices; slice j uses rows
+    ``A[j*r:(j+1)*r]`` and ``B[j*o:(j+1)*o]``. No LoRA work is done on disabled slices.
+    """
+
+    def __init__(self, in_features: int, out_features: int, r: int = 0, alpha: float = 1.0,
+                 dropout: float = 0.0, enable_lora: tuple[bool, ...] = (True, False, True), bias: bool = True):
+        self.enable_lora = tuple(enable_lora)
+        self.enabled = [i for i, on in enumerate(self.enable_lora) if on]
+        super().__init__(in_features, out_features, r, alpha, dropout, bias)
+
+    def _n_slices(self) -> int:
+        return len(self.enabled)
+
+    def _slice_out(self) -> int:
+        return self.out_features // len(self.enable_lora)
+
+    def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        after_a = self.lora_dropout(x) @ self.lora_A.t()  # (..., k*r)
+        r, o = self.r, self._slice_out()
+        parts = list(base.split(o, dim=-1))
+        for j, i in enumerate(self.enabled):
+            parts[i] = parts[i] + (after_a[..., j * r:(j + 1) * r] @ self.lora_B[j * o:(j + 1) * o].t()) * self.scaling
+        return torch.cat(parts, dim=-1)
+
+    def delta_weight(self) -> torch.Tensor:
+        r, o = self.r, self._slice_out()
+        delta = self.weight.new_zeros(self.weight.shape)
+        for j, i in enumerate(self.enabled):
+            delta[i * o:(i + 1) * o] = self.lora_B[j * o:(j + 1) * o] @ self.lora_A[j * r:(j + 1) * r]
+        return delta * self.scaling
+
+
+class LoRAEmbedding(nn.Module):
+    """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0):
+        super().__init__()
+        self.r = r
+        self.weight = nn.Parameter(torch.zeros(num_embeddings, embedding_dim))
+        self.scaling = alpha / r if r else 0.0
+        self.merged = False
+        if r:
+            self.lora_A = nn.Parameter(torch.zeros(r, num_embeddings))
+            self.lora_B = nn.Parameter(torch.zeros(embedding_dim, r))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(ids, self.weight)
+        if self.r and not self.merged:
+            y = y + (F.embedding(ids, self.lora_A.t()) @ self.lora_B.t()) * self.scaling
+        return y
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_B @ self.lora_A).t() * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if self.r and not self.merged:
+            self.weight += self.delta_weight()
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.r and self.merged:
+            self.weight -= self.delta_weight()
+            self.merged = False
+
+
+def _lora_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Merge every LoRA layer of ``model`` (idempotent)."""
+    for m in _lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    """Undo ``merge_lora`` (idempotent)."""
+    for m in _lora_layers(model):
+        m.unmerge()
+
+
+def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
+    """Freeze everything but ``lora_`` parameters and the biases ``bias`` selects
+    (``none``, ``all``, ``lora_only``: biases of layers that have LoRA)."""
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(LORA_MARK in name or (bias == "all" and name.endswith(".bias")))
+    if bias == "lora_only":
+        for m in _lora_layers(model):
+            if getattr(m, "bias", None) is not None:
+                m.bias.requires_grad_(True)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Name -> parameter of everything that trains, in module order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def count_trainable(model: nn.Module) -> int:
+    """Number of trainable scalars."""
+    return sum(p.numel() for p in trainable_parameters(model).values())
+
+
+def lora_state_dict(model: nn.Module) -> dict:
+    """numpy copies of the adapter: ``lora_`` tensors and the biases the LoRA config trains."""
+    names = adapter_names(model)
+    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters() if n in names}

@@ -1,0 +1,159 @@
+"""GPT-2 LM with LoRA for PyTorch (HF ``GPT2LMHeadModel`` semantics, nanoGPT layout).
+
+Names follow ``lora_core.naming`` so that ``named_parameters()`` are the canonical names.
+Contract (same in every backend):
+    ``GPT2LMModel(cfg, lora=None)``; ``model(input_ids, past=None, attention_mask=None,
+    position_ids=None) -> (logits, present)``; ``model.hidden(...) -> (h, present)``;
+    ``model.lm_logits(h)``; ``model.load_weights(tensors)`` (strict);
+    ``model.state_numpy()``.
+``attention_mask`` (B, T_past + T) marks real tokens with 1; position ids default to
+``cumsum(mask) - 1`` so left-padded batches get the positions of their real tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_core.checkpoint import check_tensors
+from lora_core.config import GPT2Config, LoRAConfig
+from lora_core.masks import attention_bias, positions
+from lora_core.naming import matches_target
+
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
+
+Past = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
+    if lora is None or lora.r == 0 or not any(matches_target(name, t) for t in lora.target_modules):
+        return LoRALinear(fin, fout)
+    if name.endswith("attn.c_attn") and lora.enable_lora is not None:
+        return LoRAMergedLinear(fin, fout, lora.r, lora.alpha, lora.dropout, lora.enable_lora)
+    return LoRALinear(fin, fout, lora.r, lora.alpha, lora.dropout)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        E = cfg.n_embd
+        self.n_head, self.attn_pdrop = cfg.n_head, cfg.attn_pdrop
+        self.c_attn = _linear(prefix + "attn.c_attn", E, 3 * E, lora)
+        self.c_proj = _linear(prefix + "attn.c_proj", E, E, lora)
+        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x, past, bias):
+        B, T, E = x.shape
+        q, k, v = self.c_attn(x).split(E, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        p = self.attn_pdrop if self.training else 0.0
+        if bias is None:  # no past, no padding: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, E)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        E = cfg.n_embd
+        self.c_fc = _linear(prefix + "mlp.c_fc", E, 4 * E, lora)
+        self.c_proj = _linear(prefix + "mlp.c_proj", 4 * E, E, lora)
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg, lora, prefix)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg, lora, prefix)
+
+    def forward(self, x, past, bias):
+        a, present = self.attn(self.ln_1(x), past, bias)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), present
+
+
+class GPT2LMModel(nn.Module):
+    """GPT-2 with a tied LM head and optional LoRA layers (see module docstring)."""
+
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
+        super().__init__()
+        self.config, self.lora_config = cfg, lora
+        wte_lora = lora is not None and lora.r and "wte" in lora.target_modules
+        self.wte = LoRAEmbedding(cfg.vocab_size, cfg.n_embd, lora.r, lora.alpha) if wte_lora \
+            else LoRAEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.embd_pdrop)
+        self.h = nn.ModuleList(Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+
+    def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
+               position_ids=None) -> tuple[torch.Tensor, Past]:
+        """Final hidden states (B, T, E) and the new KV cache (per layer (k, v), (B, nh, T_all, hs))."""
+        input_ids = _tensor(input_ids)
+        B, T = input_ids.shape
+        t_past = 0 if past is None else past[0][0].shape[2]
+        if t_past + T > self.config.n_positions:
+            raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
+        mask = None if attention_mask is None else _np(attention_mask)
+        if position_ids is None:
+            position_ids = positions(mask, B, T, t_past)
+        bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past))
+        x = self.drop(self.wte(input_ids) + self.wpe(_tensor(position_ids)))
+        present = []
+        for i, block in enumerate(self.h):
+            x, kv = block(x, None if past is None else past[i], bias)
+            present.append(kv)
+        return self.ln_f(x), present
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: ``h @ wte^T`` (LoRA on wte included when unmerged)."""
+        w = self.wte.weight
+        if self.wte.r and not self.wte.merged:
+            w = w + self.wte.delta_weight()
+        return h @ w.t()
+
+    def forward(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        h, present = self.hidden(input_ids, past, attention_mask, position_ids)
+        return self.lm_logits(h), present
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy numpy tensors into every parameter (strict: names and shapes must match)."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
+        for n, p in params.items():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+
+    @torch.no_grad()
+    def load_partial(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if n in tensors})
+        for n, v in tensors.items():
+            params[n].copy_(torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)))
+
+    def state_numpy(self) -> dict[str, np.ndarray]:
+        """numpy copies of every parameter, canonical names."""
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
+
+
+
+def _np(x):
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _tensor(x):
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))

@@ -1,0 +1,81 @@
+"""AdamW of the LoRA paper's code in PyTorch; the math is documented in ``lora_core.optim``.
+
+Contract (same in every backend): ``AdamW(named_params, cfg)``; ``backward(loss, scale)``
+accumulates gradients; ``clip_grad_norm(max_norm)``; ``step(lr)`` applies one update and
+clears the gradients; ``grads_numpy()``; ``state_numpy()``/``load_state_numpy()``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lora_core.optim import AdamWConfig, step_size
+
+
+class AdamW:
+    """AdamW over the given ``{name: parameter}`` (only those train; no state for others)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], cfg: AdamWConfig = AdamWConfig()):
+        self.params, self.cfg, self.t = dict(params), cfg, 0
+        self.m = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.v = {n: torch.zeros_like(p) for n, p in self.params.items()}
+
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Add ``scale * d loss / d p`` to the gradients of the trained parameters."""
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def _grads(self):
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+        grads = list(self._grads().values())
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One update with learning rate ``lr``, then clear the gradients."""
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        size = step_size(lr, self.t, self.cfg)
+        for n, p in self.params.items():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            m, v = self.m[n], self.v[n]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            p.addcdiv_(m, v.sqrt().add_(self.cfg.eps), value=-size)
+            if self.cfg.weight_decay > 0:
+                p.add_(p, alpha=-lr * self.cfg.weight_decay)
+            p.grad = None
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def grads_numpy(self) -> dict[str, np.ndarray]:
+        return {n: g.detach().cpu().numpy().copy() for n, g in self._grads().items()}
+
+    def state_numpy(self) -> dict[str, np.ndarray]:
+        """Moments as numpy (``m.<name>``, ``v.<name>``) and the step count ``t``."""
+        out = {f"m.{n}": t.cpu().numpy().copy() for n, t in self.m.items()}
+        out.update({f"v.{n}": t.cpu().numpy().copy() for n, t in self.v.items()})
+        out["t"] = np.array(self.t, dtype=np.int64)
+        return out
+
+    @torch.no_grad()
+    def load_state_numpy(self, state: dict[str, np.ndarray]) -> None:
+        expected = {f"{k}.{n}" for n in self.params for k in ("m", "v")} | {"t"}
+        if set(state) != expected:
+            raise ValueError(f"optimizer state keys differ: missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}")
+        for n in self.params:
+            self.m[n].copy_(torch.from_numpy(state[f"m.{n}"]))
+            self.v[n].copy_(torch.from_numpy(state[f"v.{n}"]))
+        self.t = int(state["t"])

@@ -1,0 +1,51 @@
+"""Loss and training step for PyTorch; semantics in ``lora_core.batching`` and ``lora_core.optim``.
+
+Contract (same in every backend): ``lm_loss(model, batch, label_smooth) -> scalar``;
+``train_step(model, optimizer, micro_batches, lr, label_smooth, max_grad_norm) -> dict``;
+``eval_nll(model, batch) -> (nll_sum, n)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_hidden(model, batch):
+    ids = torch.from_numpy(batch["input_ids"])
+    h, _ = model.hidden(ids)
+    h = h.reshape(-1, h.shape[-1]).index_select(0, torch.from_numpy(batch["loss_index"]))  # (N, E)
+    return model.lm_logits(h), torch.from_numpy(batch["targets"])
+
+
+def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
+    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
+    logits, targets = _gather_hidden(model, batch)
+    logp = F.log_softmax(logits, dim=-1)
+    nll = -logp.gather(1, targets[:, None]).squeeze(1)
+    if label_smooth > 0:
+        nll = (1.0 - label_smooth) * nll + label_smooth * (-logp.mean(dim=-1))
+    return nll.mean()
+
+
+def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smooth: float = 0.0,
+               max_grad_norm: float = 0.0) -> dict:
+    """One optimizer update over ``micro_batches`` (gradient accumulation: each micro-batch
+    loss is divided by their number, as the paper code does). Returns loss and grad norm."""
+    model.train()
+    total = 0.0
+    for mb in micro_batches:
+        loss = lm_loss(model, mb, label_smooth)
+        optimizer.backward(loss, 1.0 / len(micro_batches))
+        total += loss.item()
+    norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")
+    optimizer.step(lr)
+    return {"loss": total / len(micro_batches), "grad_norm": norm}
+
+
+@torch.no_grad()
+def eval_nll(model, batch: dict) -> tuple[float, int]:
+    """Summed NLL over the loss positions and their count (for perplexity)."""
+    model.eval()
+    logits, targets = _gather_hidden(model, batch)
+    return F.cross_entropy(logits, targets, reduction="sum").item(), int(targets.numel())

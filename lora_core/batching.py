@@ -1,0 +1,61 @@
+"""Training batches as numpy: sequence layout, dynamic padding, loss positions.
+
+Paper layout (microsoft/LoRA ``data_utils.py``): an example is ``context + completion``
+where ``context = bpe(ctx) + [eos]`` and ``completion = bpe(" " + text) + [eos]``; the
+model reads ``seq[:-1]`` and predicts ``seq[1:]``; the loss counts the completion tokens
+including the final eos. Batches are right-padded to their longest sequence (or to
+``pad_to`` for exact-behaviour runs): with causal attention no real token attends to a
+pad, so no attention mask is needed, and the loss positions are gathered explicitly so
+the LM head runs only where the loss is taken.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_to: int | None = None,
+            pad_id: int = 0, max_len: int | None = None) -> dict[str, np.ndarray]:
+    """Build a batch.
+
+    Args:
+        examples: ``(context_ids, completion_ids)`` pairs, both ending with eos.
+        pad_to: pad every row to this many input tokens (default: the longest row).
+        max_len: refuse (ValueError) sequences longer than this many input tokens.
+
+    Returns:
+        ``input_ids`` (B, T) int64; ``loss_index`` (N,) flat indices into B*T of the
+        positions whose next token is a completion token; ``targets`` (N,) int64;
+        ``n_tokens`` (real input tokens, for throughput).
+    """
+    if not examples:
+        raise ValueError("collate: empty batch")
+    lengths = [len(c) + len(t) - 1 for c, t in examples]
+    T = max(lengths) if pad_to is None else pad_to
+    limit = max_len if max_len is not None else T
+    for i, ((c, t), n) in enumerate(zip(examples, lengths)):
+        if not c or not t:
+            raise ValueError(f"collate: example {i} has an empty context or completion")
+        if n > limit:
+            raise ValueError(f"collate: example {i} has {n} input tokens, more than {limit} "
+                             f"(truncating would change it silently)")
+    ids = np.full((len(examples), T), pad_id, dtype=np.int64)
+    index, targets = [], []
+    for b, (c, t) in enumerate(examples):
+        seq = list(c) + list(t)
+        ids[b, :len(seq) - 1] = seq[:-1]
+        start = len(c) - 1  # position whose next token is the first completion token
+        index.append(b * T + np.arange(start, len(seq) - 1))
+        targets.append(np.asarray(t, dtype=np.int64))
+    return {"input_ids": ids, "loss_index": np.concatenate(index).astype(np.int64),
+            "targets": np.concatenate(targets), "n_tokens": np.int64(sum(lengths))}
+
+
+def label_smoothed_nll_reference(logits: np.ndarray, targets: np.ndarray, eps: float) -> float:
+    """Numpy reference of the paper loss at the loss positions, averaged over them:
+    ``(1 - eps) * NLL + eps * mean_v(-log p_v)``; ``logits`` is (N, V)."""
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    nll = -logp[np.arange(len(targets)), targets]
+    return float(((1 - eps) * nll + eps * (-logp.mean(-1))).mean())
