@@ -25,7 +25,7 @@ from .lora import (
 )
 from .model import GPT2LMModel
 from .optim import AdamW
-from .train import eval_nll, lm_loss, train_step
+from .train import eval_nll, lm_loss, manual_seed, train_step
 
 NAME = "jittor"
 
@@ -42,6 +42,6 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
 
 __all__ = [
     "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear",
-    "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict",
+    "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "train_step", "trainable_parameters", "unmerge_lora",
 ]

@@ -12,6 +12,11 @@ def _gather_logits(model, batch):
     return model.lm_logits(h), jt.array(batch["targets"])
 
 
+def manual_seed(seed: int) -> None:
+    """Seed the framework RNG (dropout masks); the trainer reseeds per step for exact resume."""
+    jt.set_global_seed(seed)
+
+
 def lm_loss(model, batch: dict, label_smooth: float = 0.0):
     """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)``."""
     logits, targets = _gather_logits(model, batch)

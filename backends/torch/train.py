@@ -18,6 +18,11 @@ def _gather_hidden(model, batch):
     return model.lm_logits(h), torch.from_numpy(batch["targets"])
 
 
+def manual_seed(seed: int) -> None:
+    """Seed the framework RNG (dropout masks); the trainer reseeds per step for exact resume."""
+    torch.manual_seed(seed)
+
+
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
     """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
     logits, targets = _gather_hidden(model, batch)
