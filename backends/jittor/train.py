@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import jittor as jt
-from jittor import nn
+
+
+def log_softmax(x: jt.Var) -> jt.Var:
+    """Stable log-softmax over the last axis. (``jittor.nn.log_softmax`` is ``log(softmax)``,
+    whose backward divides by the probabilities: measured 3e-5 relative gradient error.)"""
+    z = x - x.max(dim=-1, keepdims=True).stop_grad()
+    return z - jt.log(jt.exp(z).sum(dim=-1, keepdims=True))
 
 
 def _gather_logits(model, batch):
@@ -20,7 +26,7 @@ def manual_seed(seed: int) -> None:
 def lm_loss(model, batch: dict, label_smooth: float = 0.0):
     """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)``."""
     logits, targets = _gather_logits(model, batch)
-    logp = nn.log_softmax(logits, dim=-1)
+    logp = log_softmax(logits)
     nll = -logp.gather(1, targets.reshape(-1, 1)).reshape(-1)
     if label_smooth > 0:
         nll = (1.0 - label_smooth) * nll + label_smooth * (-logp.mean(dim=-1))
@@ -46,6 +52,6 @@ def eval_nll(model, batch: dict) -> tuple[float, int]:
     model.eval()
     with jt.no_grad():
         logits, targets = _gather_logits(model, batch)
-        logp = nn.log_softmax(logits, dim=-1)
+        logp = log_softmax(logits)
         nll = -logp.gather(1, targets.reshape(-1, 1)).sum()
         return float(nll.item()), int(targets.shape[0])

@@ -1,0 +1,43 @@
+"""Test helpers: compare two results with explicit tolerances, showing both sides on failure
+(tinygrad's ``helper_test_op`` idea)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Measured maxima of each comparison, printed at the end of the run (tests/conftest.py).
+MEASURED: dict[str, float] = {}
+
+
+def to_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "numpy"):
+        x = x.numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def rel_diff(ours, ref) -> float:
+    """max|ours - ref| / max(max|ref|, 1e-30)."""
+    a, b = to_numpy(ours), to_numpy(ref)
+    assert a.shape == b.shape, f"shapes differ: ours {a.shape}, reference {b.shape}"
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if a.size else 0.0
+
+
+def assert_close(name: str, ours, ref, rtol: float, floor: float = 0.0) -> float:
+    """Assert ``max|ours-ref| <= rtol * max(floor, max|ref|)``; record and return the measured ratio
+    ``max|ours-ref| / max(floor, max|ref|)``; on failure show both sides."""
+    a, b = to_numpy(ours), to_numpy(ref)
+    assert a.shape == b.shape, f"{name}: shapes differ: ours {a.shape}, reference {b.shape}"
+    assert np.isfinite(a).all() and np.isfinite(b).all(), f"{name}: non-finite values"
+    scale = max(floor, float(np.abs(b).max()) if b.size else 0.0, 1e-30)
+    diff = float(np.abs(a - b).max()) if a.size else 0.0
+    ratio = diff / scale
+    MEASURED[name] = max(MEASURED.get(name, 0.0), ratio)
+    if ratio > rtol:
+        i = np.unravel_index(np.abs(a - b).argmax(), a.shape)
+        raise AssertionError(
+            f"{name}: max|diff| = {diff:.3e} > {rtol:.1e} x {scale:.3e} (ratio {ratio:.3e})\n"
+            f"  at {tuple(int(j) for j in i)}: ours {a[i]!r}, reference {b[i]!r}\n"
+            f"  ours[:6]      = {a.ravel()[:6]}\n  reference[:6] = {b.ravel()[:6]}")
+    return ratio

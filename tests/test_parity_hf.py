@@ -1,0 +1,164 @@
+"""Parity with independent references: HF ``transformers`` GPT-2 and ``peft`` LoRA.
+
+A tiny random ``GPT2LMHeadModel`` is saved with ``save_pretrained`` (and as a
+``pytorch_model.bin``), loaded through our checkpoint loader into each backend, and
+compared: logits full-sequence, token-by-token with the KV cache, and on a padded batch
+(bound: max|diff| <= 1e-5 x max(1, max|logit|)). LoRA on the whole ``c_attn`` is compared
+with peft's LoRA on the same HF model with the same A/B values (logits and grads, 1e-5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close, to_numpy
+
+import lora_core as lc
+
+transformers = pytest.importorskip("transformers")
+
+LOGIT_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    cfg = lc.gpt2_config("tiny", n_layer=3)
+    hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd,
+                                     n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(1234)
+    model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    with torch.no_grad():  # non-trivial biases and LayerNorm affine, so every parameter matters
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or ".ln_" in n or "ln_f" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(folder)
+    bin_path = folder / "legacy" / "pytorch_model.bin"
+    bin_path.parent.mkdir()
+    # the OpenAI/HF-2019 layout: legacy torch.save stream, no ``transformer.`` prefix
+    torch.save({k.removeprefix("transformer."): v for k, v in model.state_dict().items()}, bin_path,
+               _use_new_zipfile_serialization=False)
+    (bin_path.parent / "config.json").write_text((folder / "config.json").read_text())
+    return cfg, model, folder, bin_path
+
+
+def _ids(cfg, B, T, seed=0):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T)).astype(np.int64)
+
+
+def _ours(backend, path, lora=None):
+    cfg, w = lc.load_gpt2_checkpoint(path)
+    m = backend.build_model(cfg, lora, w, trainable=False)
+    m.eval()
+    return m
+
+
+def _bound(ref):
+    return max(1.0, float(np.abs(to_numpy(ref)).max()))
+
+
+@pytest.mark.parametrize("source", ["safetensors", "legacy_bin"])
+def test_full_sequence_logits_match_transformers(backend, hf_model, source):
+    cfg, hf, folder, bin_path = hf_model
+    ours = _ours(backend, folder if source == "safetensors" else bin_path)
+    ids = _ids(cfg, 3, 17)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits
+    assert_close(f"{backend.NAME} vs HF logits (full, {source})", ours(ids)[0], ref, LOGIT_TOL, _bound(ref))
+
+
+def test_kv_cache_token_by_token_matches_transformers(backend, hf_model):
+    cfg, hf, folder, _ = hf_model
+    ours = _ours(backend, folder)
+    ids = _ids(cfg, 2, 12, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits
+    logits, past = ours(ids[:, :5])
+    steps = [to_numpy(logits)]
+    for t in range(5, ids.shape[1]):
+        logits, past = ours(ids[:, t:t + 1], past=past)
+        steps.append(to_numpy(logits))
+    assert_close(f"{backend.NAME} vs HF logits (KV cache)", np.concatenate(steps, axis=1), ref, LOGIT_TOL, _bound(ref))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_transformers(backend, hf_model, side):
+    cfg, hf, folder, _ = hf_model
+    ours = _ours(backend, folder)
+    lengths, T = [11, 6, 3], 11
+    ids = _ids(cfg, 3, T, seed=2)
+    mask = np.zeros((3, T), dtype=np.int64)
+    for b, n in enumerate(lengths):
+        if side == "left":
+            mask[b, T - n:] = 1
+        else:
+            mask[b, :n] = 1
+    ids = np.where(mask == 1, ids, 0)
+    pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(pos)).logits
+    out = to_numpy(ours(ids, attention_mask=mask)[0])
+    real = mask.astype(bool)  # pad positions' logits are not defined by either model
+    assert_close(f"{backend.NAME} vs HF logits (padded {side})", out[real], to_numpy(ref)[real], LOGIT_TOL, _bound(ref))
+    # each padded row equals its unpadded run alone
+    for b, n in enumerate(lengths):
+        alone = ids[b:b + 1][mask[b:b + 1] == 1][None]
+        with torch.no_grad():
+            ref_alone = hf(torch.from_numpy(alone)).logits
+        assert_close(f"{backend.NAME} vs HF logits (padded {side}, row alone)", out[b][real[b]], to_numpy(ref_alone)[0],
+                     LOGIT_TOL, _bound(ref_alone))
+
+
+def test_padded_prefill_then_cache_matches_transformers(backend, hf_model):
+    """Left-padded prompt, then cached steps with the mask grown by one each step (beam search's path)."""
+    cfg, hf, folder, _ = hf_model
+    ours = _ours(backend, folder)
+    T = 7
+    ids = _ids(cfg, 2, T + 4, seed=3)
+    mask = np.ones((2, T), dtype=np.int64)
+    mask[1, :3] = 0
+    logits, past = ours(ids[:, :T], attention_mask=mask)
+    full_mask = mask
+    for t in range(T, T + 4):
+        full_mask = np.concatenate([full_mask, np.ones((2, 1), dtype=np.int64)], 1)
+        logits, past = ours(ids[:, t:t + 1], past=past, attention_mask=full_mask)
+    pos = np.maximum(np.cumsum(full_mask, -1) - 1, 0)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(full_mask),
+                 position_ids=torch.from_numpy(pos)).logits[:, -1:]
+    assert_close(f"{backend.NAME} vs HF logits (padded prefill + cache)", logits, ref, LOGIT_TOL, _bound(ref))
+
+
+def test_lora_whole_c_attn_matches_peft(hf_model):
+    """Ours (torch) with one LoRA pair on the whole c_attn vs peft's LoRA, same A/B values."""
+    peft = pytest.importorskip("peft")
+    from backends import torch as bt
+
+    cfg, hf, folder, _ = hf_model
+    lora = lc.LoRAConfig(r=4, alpha=16, enable_lora=None, target_modules=("c_attn",))
+    lw = lc.init_lora_weights(cfg, lora, b_std=0.05)
+    hf_copy = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    pm = peft.get_peft_model(hf_copy, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0,
+                                                      fan_in_fan_out=True, bias="none"))
+    with torch.no_grad():
+        for i in range(cfg.n_layer):
+            layer = pm.base_model.model.transformer.h[i].attn.c_attn
+            layer.lora_A["default"].weight.copy_(torch.from_numpy(lw[f"h.{i}.attn.c_attn.lora_A"]))
+            layer.lora_B["default"].weight.copy_(torch.from_numpy(lw[f"h.{i}.attn.c_attn.lora_B"]))
+    _, base = lc.load_gpt2_checkpoint(folder)
+    ours = bt.build_model(cfg, lora, base, lw)
+    ids = torch.from_numpy(_ids(cfg, 2, 9, seed=4))
+    labels = torch.from_numpy(_ids(cfg, 2, 9, seed=5))
+    ref_logits = pm(ids).logits
+    our_logits = ours(ids)[0]
+    assert_close("torch vs peft logits (LoRA on c_attn)", our_logits, ref_logits, LOGIT_TOL, _bound(ref_logits))
+    loss_fn = torch.nn.functional.cross_entropy
+    loss_fn(ref_logits.flatten(0, 1), labels.flatten()).backward()
+    loss_fn(our_logits.flatten(0, 1), labels.flatten()).backward()
+    params = dict(ours.named_parameters())
+    for i in range(cfg.n_layer):
+        layer = pm.base_model.model.transformer.h[i].attn.c_attn
+        for ab, ref_p in (("A", layer.lora_A["default"].weight), ("B", layer.lora_B["default"].weight)):
+            assert_close(f"torch vs peft grad lora_{ab}", params[f"h.{i}.attn.c_attn.lora_{ab}"].grad, ref_p.grad, 1e-5)
