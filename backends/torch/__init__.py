@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lora_core import build as _build
 
+from .generate import beam_search
 from .lora import (
     LoRAEmbedding,
     LoRALinear,
@@ -33,7 +34,7 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
 
 
 __all__ = [
-    "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear",
+    "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "beam_search",
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "train_step", "trainable_parameters", "unmerge_lora",
 ]

@@ -1,0 +1,41 @@
+"""Batched beam search with KV cache for Jittor: tensor primitives for
+``lora_core.beam.run_beam_search``; contract in ``backends.torch.generate``."""
+
+from __future__ import annotations
+
+import jittor as jt
+
+from lora_core.beam import BeamConfig, run_beam_search
+from lora_core.progress import batched
+
+
+def _forward(model):
+    def forward(ids, past, mask):
+        with jt.no_grad():
+            h, past = model.hidden(ids, past=past, attention_mask=mask)
+            logits = model.lm_logits(h[:, -1])
+            jt.sync([logits] + [t for kv in past for t in kv])
+            return logits.numpy(), past
+    return forward
+
+
+def _repeat_rows(past, n):
+    return [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in past]
+
+
+def _reorder(past, rows):
+    idx = jt.array(rows)
+    return [(k[idx], v[idx]) for k, v in past]
+
+
+def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
+                progress: bool = False) -> list:
+    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
+    model.eval()
+    out = []
+    for chunk in batched(contexts, batch_size, progress, desc="beam"):
+        out.extend(run_beam_search(_forward(model), _repeat_rows, _reorder, chunk, cfg))
+    return out
+
+
+__all__ = ["BeamConfig", "beam_search"]

@@ -1,0 +1,44 @@
+"""Batched beam search with KV cache for PyTorch: the tensor primitives for
+``lora_core.beam.run_beam_search`` (all bookkeeping lives there).
+
+Contract (same in every backend): ``beam_search(model, contexts, cfg, batch_size=8,
+progress=False) -> list[list[int]]`` (generated tokens per context).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lora_core.beam import BeamConfig, run_beam_search
+from lora_core.progress import batched
+
+
+def _forward(model):
+    @torch.no_grad()
+    def forward(ids, past, mask):
+        h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
+        return model.lm_logits(h[:, -1]).numpy(), past
+    return forward
+
+
+def _repeat_rows(past, n):
+    return [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in past]
+
+
+def _reorder(past, rows):
+    idx = torch.from_numpy(rows)
+    return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]
+
+
+def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
+                progress: bool = False) -> list:
+    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
+    model.eval()
+    out = []
+    for chunk in batched(contexts, batch_size, progress, desc="beam"):
+        out.extend(run_beam_search(_forward(model), _repeat_rows, _reorder, chunk, cfg))
+    return out
+
+
+__all__ = ["BeamConfig", "beam_search"]

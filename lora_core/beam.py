@@ -1,0 +1,183 @@
+"""Beam search bookkeeping in numpy, shared by the backends (semantics of the LoRA paper's
+``examples/NLG/src/gpt2_beam.py``; banned n-grams after fairseq, repetition penalty after CTRL).
+
+Per step, for each of ``B * beam`` rows: the backend gives next-token logits; here they are
+post-processed (CTRL repetition penalty over the generated tokens, eos banned below
+``min_length``, no-repeat n-grams over the generated tokens), turned into log-probs and
+added to the beam scores; the top ``beam`` of ``beam * vocab`` candidates continue (at the
+first step only beam 0 counts, since all beams hold the same prompt). A beam whose last
+token is a stop id becomes a candidate with score ``sum_logp / len ** length_penalty``
+(``len`` counts generated tokens including the stop token) and its score becomes -inf.
+After ``max_new_tokens`` steps the live beams are candidates too. The loop stops early
+only when every beam of every input is finished (-inf), which cannot change the result.
+
+The prompt is processed once per input (left-padded batch with an attention mask, so each
+row equals its prompt alone) and the cache is then repeated ``beam`` times; the paper code
+runs the padded prompt ``beam`` times and lets generated tokens attend to padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """Beam settings (paper: beam 10, no-repeat 4-grams, max 64 new tokens, eos {50256, 628})."""
+
+    beam: int = 10
+    max_new_tokens: int = 64
+    length_penalty: float = 1.0
+    no_repeat_ngram_size: int = 4
+    repetition_penalty: float = 1.0
+    min_length: int = 0
+    stop_ids: tuple[int, ...] = (50256, 628)
+
+    def __post_init__(self):
+        if self.beam < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"BeamConfig needs beam >= 1 and max_new_tokens >= 1, got {self.beam}, {self.max_new_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"BeamConfig.repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    z = x - m
+    with np.errstate(divide="ignore"):
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def banned_ngram_tokens(history: np.ndarray, n: int) -> list[list[int]]:
+    """Per row, tokens that would repeat an n-gram already in the row (fairseq)."""
+    rows, t = history.shape
+    if n <= 0 or t + 1 < n:
+        return [[] for _ in range(rows)]
+    out = []
+    for row in history.tolist():
+        prefix = tuple(row[t + 1 - n:]) if n > 1 else ()
+        out.append([g[-1] for g in zip(*[row[i:] for i in range(n)]) if tuple(g[:-1]) == prefix])
+    return out
+
+
+def postprocess(logits: np.ndarray, history: np.ndarray | None, cur_len: int, cfg: BeamConfig) -> np.ndarray:
+    """Repetition penalty, min-length eos ban and no-repeat n-grams (in place on a copy)."""
+    scores = np.array(logits, dtype=np.float64)
+    if history is not None and cfg.repetition_penalty != 1.0:
+        for i, row in enumerate(history):
+            toks = np.unique(row)
+            s = scores[i, toks]
+            scores[i, toks] = np.where(s < 0, s * cfg.repetition_penalty, s / cfg.repetition_penalty)
+    if cur_len < cfg.min_length:
+        scores[:, list(cfg.stop_ids)] = -np.inf
+    if history is not None and cfg.no_repeat_ngram_size > 0:
+        for i, banned in enumerate(banned_ngram_tokens(history, cfg.no_repeat_ngram_size)):
+            if banned:
+                scores[i, banned] = -np.inf
+    return scores
+
+
+class BeamSearch:
+    """State of a batched beam search over ``batch_size`` inputs (rows are input-major)."""
+
+    def __init__(self, batch_size: int, cfg: BeamConfig):
+        self.B, self.cfg, self.k = batch_size, cfg, cfg.beam
+        self.scores = np.zeros((batch_size, cfg.beam))
+        self.history: np.ndarray | None = None  # (B*beam, t) generated tokens
+        self.best_score = [-np.inf] * batch_size
+        self.best: list[list[int] | None] = [None] * batch_size
+        self.step_index = 0
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.cfg.max_new_tokens or (self.step_index > 0 and np.isneginf(self.scores).all())
+
+    def step(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Advance one token. ``logits``: (B*beam, V) for each row's next token.
+
+        Returns:
+            ``(rows, tokens)``: for each new row, the old row it continues (reorder the
+            cache with it) and the token it appends, both (B*beam,) int64.
+        """
+        B, k = self.B, self.k
+        logp = log_softmax(postprocess(logits, self.history, self.step_index, self.cfg))
+        V = logp.shape[-1]
+        if self.step_index == 0:
+            cand = logp.reshape(B, k, V)[:, 0, :]  # all beams hold the same prompt
+        else:
+            cand = (self.scores[:, :, None] + logp.reshape(B, k, V)).reshape(B, k * V)
+        top = _topk(cand, k)  # (B, k), sorted by score, ties by index
+        self.scores = np.take_along_axis(cand, top, 1)
+        beam_id, tokens = top // V, (top % V).reshape(-1)
+        rows = (beam_id + np.arange(B)[:, None] * k).reshape(-1)
+        col = tokens[:, None]
+        self.history = col if self.history is None else np.concatenate([self.history[rows], col], 1)
+        self.step_index += 1
+        self._collect(only_stopped=True)
+        if self.step_index >= self.cfg.max_new_tokens:
+            self._collect(only_stopped=False)
+        return rows.astype(np.int64), tokens.astype(np.int64)
+
+    def _collect(self, only_stopped: bool) -> None:
+        flat = self.scores.reshape(-1)
+        t = self.history.shape[1]
+        last = self.history[:, -1]
+        for i in range(self.B * self.k):
+            if only_stopped and last[i] not in self.cfg.stop_ids:
+                continue
+            score = flat[i] / t ** self.cfg.length_penalty
+            b = i // self.k
+            if self.best[b] is None or score > self.best_score[b]:
+                self.best_score[b], self.best[b] = score, self.history[i].tolist()
+            flat[i] = -np.inf
+
+    def results(self) -> list[list[int]]:
+        """Best sequence per input (generated tokens, ending with its stop token if it stopped)."""
+        return [b if b is not None else [] for b in self.best]
+
+
+def _topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, sorted by value descending then index ascending."""
+    part = np.argpartition(-x, k - 1, axis=1)[:, :k] if k < x.shape[1] else np.tile(np.arange(x.shape[1]), (len(x), 1))
+    vals = np.take_along_axis(x, part, 1)
+    order = np.lexsort((part, -vals))  # per row: by value descending, then index ascending
+    return np.take_along_axis(part, order, 1)
+
+
+def left_pad(contexts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and attention mask (B, T) for a batch of prompts."""
+    if any(len(c) == 0 for c in contexts):
+        raise ValueError("beam search: an empty prompt")
+    T = max(len(c) for c in contexts)
+    ids = np.full((len(contexts), T), pad_id, dtype=np.int64)
+    mask = np.zeros((len(contexts), T), dtype=np.int64)
+    for b, c in enumerate(contexts):
+        ids[b, T - len(c):], mask[b, T - len(c):] = c, 1
+    return ids, mask
+
+
+def run_beam_search(forward: Callable, repeat_rows: Callable, reorder: Callable,
+                    contexts: Sequence[Sequence[int]], cfg: BeamConfig) -> list[list[int]]:
+    """Drive one batch. The backend supplies three tensor primitives:
+
+    - ``forward(ids, past, mask) -> (last_logits (rows, V) numpy, past)``
+    - ``repeat_rows(past, n)``: each row's cache repeated ``n`` times (input-major)
+    - ``reorder(past, rows)``: cache rows selected by ``rows``
+    """
+    ids, mask = left_pad(contexts)
+    logits, past = forward(ids, None, mask)
+    k = cfg.beam
+    past, mask = repeat_rows(past, k), np.repeat(mask, k, axis=0)
+    logits = np.repeat(logits, k, axis=0)
+    search = BeamSearch(len(contexts), cfg)
+    while True:
+        rows, tokens = search.step(logits)
+        if search.done:
+            break
+        past = reorder(past, rows)
+        mask = np.concatenate([mask[rows], np.ones((len(rows), 1), dtype=mask.dtype)], 1)
+        logits, past = forward(tokens[:, None], past, mask)
+    return search.results()

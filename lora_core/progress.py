@@ -1,0 +1,17 @@
+"""Progress bars (tqdm) over batches of work."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+
+def batched(items: Sequence, size: int, progress: bool = False, desc: str = "") -> Iterator[Sequence]:
+    """Consecutive slices of ``items`` of length ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"batch size must be >= 1, got {size}")
+    starts = range(0, len(items), size)
+    if progress:
+        from tqdm import tqdm
+        starts = tqdm(starts, desc=desc, unit="batch", total=len(starts))
+    for s in starts:
+        yield items[s:s + size]

@@ -1,0 +1,68 @@
+"""Beam search: numpy bookkeeping (paper semantics) and both backends' batched search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lora_core as lc
+from lora_core.beam import BeamConfig, BeamSearch, banned_ngram_tokens, postprocess
+
+
+def test_banned_ngrams_fairseq():
+    h = np.array([[1, 2, 3, 1, 2], [4, 4, 4, 4, 4]])
+    assert banned_ngram_tokens(h, 3) == [[3], [4, 4, 4]]
+    assert banned_ngram_tokens(h[:, :1], 3) == [[], []]
+
+
+def test_repetition_penalty_ctrl_and_min_length():
+    cfg = BeamConfig(beam=1, repetition_penalty=2.0, min_length=2, stop_ids=(0,), no_repeat_ngram_size=0)
+    out = postprocess(np.array([[1.0, -1.0, 4.0, 3.0]]), np.array([[1, 2, 2]]), cur_len=1, cfg=cfg)
+    assert out.tolist() == [[-np.inf, -2.0, 2.0, 3.0]]
+
+
+def _search(logit_rows, cfg, B=1):
+    s = BeamSearch(B, cfg)
+    for lg in logit_rows:
+        if s.done:
+            break
+        s.step(np.asarray(lg, dtype=np.float64))
+    return s
+
+
+def test_length_penalty_counts_generated_tokens_including_eos():
+    """Two candidates: eos at once (len 1, logp a) vs one token then eos (len 2)."""
+    eos = 3
+    lp = np.log
+    step0 = np.log(np.array([[0.05, 0.6, 0.05, 0.3]] * 2))  # beam rows identical
+    step1 = np.log(np.array([[0.2, 0.2, 0.2, 0.4]] * 2))
+    for alpha, want in ((0.0, [3]), (1.0, [1, 3])):
+        cfg = BeamConfig(beam=2, max_new_tokens=2, length_penalty=alpha, stop_ids=(eos,), no_repeat_ngram_size=0)
+        s = _search([step0, step1], cfg)
+        assert s.results() == [want], (alpha, s.results())
+        score = lp(0.3) if want == [3] else (lp(0.6) + lp(0.4)) / 2 ** alpha
+        assert np.isclose(s.best_score[0], score)
+
+
+def test_all_finished_stops_early():
+    cfg = BeamConfig(beam=2, max_new_tokens=50, stop_ids=(0, 1), no_repeat_ngram_size=0)
+    s = _search([np.log(np.array([[0.5, 0.49, 0.01]] * 2))] * 3, cfg)
+    assert s.done and s.step_index == 1 and s.results() == [[0]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = lc.gpt2_config("tiny")
+    return cfg, lc.init_gpt2_weights(cfg, 0)
+
+
+def test_batched_equals_single_and_backends_agree(backend, tiny):
+    cfg, base = tiny
+    other = lc.get_backend("jittor" if backend.NAME == "torch" else "torch")
+    ctxs = [list(np.random.default_rng(i).integers(1, 999, 2 + 2 * i)) for i in range(5)]
+    bc = BeamConfig(beam=4, max_new_tokens=10, stop_ids=(5, 7, 9), length_penalty=0.8, repetition_penalty=1.2)
+    m = backend.build_model(cfg, None, base)
+    batched = backend.beam_search(m, ctxs, bc, batch_size=3)
+    assert batched == [backend.beam_search(m, [c], bc)[0] for c in ctxs]
+    assert all(0 < len(r) <= 10 for r in batched)
+    assert batched == other.beam_search(other.build_model(cfg, None, base), ctxs, bc, batch_size=5)
