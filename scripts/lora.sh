@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One entry point for set-up and the main jobs. Each command installs what is missing first
+# (a venv in .venv with torch CPU, jittor + oneDNN, transformers, peft, the evaluator's
+# dependencies, a headless Java for METEOR), so on a fresh Debian/Ubuntu machine with
+# Python 3.10+ one command is enough:
+#   bash scripts/lora.sh demo [ARGS]   # embedded demo: both backends, train -> beam -> decode -> eval
+#   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS)
+#   bash scripts/lora.sh setup         # only install
+#   bash scripts/lora.sh bench [ARGS]  # speed/memory benchmark (examples/nlg/bench.py)
+# Environment: PYTHON (default python3), LORA_VENV (default .venv), TORCH_SPEC (default
+# torch==2.13.0), PIP_INDEX_FOR_TORCH (e.g. the PyTorch CPU wheel index, if reachable),
+# JITTOR_HOME (where jittor keeps its kernel cache; default $HOME).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=${LORA_VENV:-$root/.venv}
+py=${PYTHON:-python3}
+stamp="$venv/.lora_setup_done"
+
+need_java() {
+  command -v java >/dev/null 2>&1 && return 0
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing a headless Java runtime (METEOR 1.5 and the PTB tokenizer need it)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null
+  else
+    echo "[setup] warning: no java; install a JRE (e.g. apt-get install default-jre-headless) for METEOR" >&2
+  fi
+}
+
+setup() {
+  "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is required")'
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+  local pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+  "${pip[@]}" --upgrade pip setuptools wheel
+  if [ -n "${PIP_INDEX_FOR_TORCH:-}" ]; then
+    "${pip[@]}" --index-url "$PIP_INDEX_FOR_TORCH" "${TORCH_SPEC:-torch==2.13.0}"
+  else
+    "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+  "${pip[@]}" -e ".[all]"
+  need_java
+  bash scripts/link_onednn.sh "$venv"
+  echo "[setup] compiling jittor's kernels (first time: a few minutes)"
+  "$venv/bin/python" -c 'import lora_core as lc; b = lc.get_backend("jittor"); import jittor as jt; from jittor import compile_extern as ce; print("[setup] jittor", jt.__version__, "oneDNN:", ce.mkl_ops is not None); assert ce.mkl_ops is not None, "jittor did not load oneDNN"'
+  touch "$stamp"
+}
+
+cmd=${1:-help}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) setup ;;
+  test)
+    [ -f "$stamp" ] || setup
+    "$venv/bin/python" -m pytest "$@" ;;
+  demo)
+    [ -f "$stamp" ] || setup
+    "$venv/bin/python" -m examples.nlg.demo "$@" ;;
+  bench)
+    [ -f "$stamp" ] || setup
+    "$venv/bin/python" -m examples.nlg.bench "$@" ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
+esac
