@@ -21,6 +21,7 @@ from .lora import (
     lora_state_dict,
     mark_only_lora_as_trainable,
     merge_lora,
+    set_dropout_source,
     trainable_parameters,
     unmerge_lora,
 )
@@ -44,5 +45,5 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
 __all__ = [
     "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "beam_search",
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
-    "mark_only_lora_as_trainable", "merge_lora", "train_step", "trainable_parameters", "unmerge_lora",
+    "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
 ]

@@ -34,7 +34,9 @@ class LoRALinear(nn.Module):
         self.weight = jt.zeros((out_features, in_features))
         self.bias = jt.zeros((out_features,)) if bias else None
         self.scaling = alpha / r if r else 0.0
+        self.p = dropout
         self.lora_dropout = _dropout(dropout)
+        self.mask_source = None  # a lora_core.dropout.NumpyDropout in parity mode
         self.merged = False
         if r:
             self.lora_A = jt.zeros((self._n_slices() * r, in_features))
@@ -46,8 +48,13 @@ class LoRALinear(nn.Module):
     def _slice_out(self) -> int:
         return self.out_features
 
+    def _drop(self, x: jt.Var) -> jt.Var:
+        if self.mask_source is not None and self.is_training() and self.p > 0:
+            return x * jt.array(self.mask_source.mask(tuple(x.shape), self.p))
+        return self.lora_dropout(x)
+
     def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
-        after_a = nn.matmul_transpose(self.lora_dropout(x), self.lora_A)
+        after_a = nn.matmul_transpose(self._drop(x), self.lora_A)
         return base + nn.matmul_transpose(after_a, self.lora_B) * self.scaling
 
     def execute(self, x: jt.Var) -> jt.Var:
@@ -88,7 +95,7 @@ class LoRAMergedLinear(LoRALinear):
         return self.out_features // len(self.enable_lora)
 
     def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
-        after_a = nn.matmul_transpose(self.lora_dropout(x), self.lora_A)  # (..., k*r)
+        after_a = nn.matmul_transpose(self._drop(x), self.lora_A)  # (..., k*r)
         r, o = self.r, self._slice_out()
         parts = [base[..., i * o:(i + 1) * o] for i in range(len(self.enable_lora))]
         for j, i in enumerate(self.enabled):
@@ -135,6 +142,13 @@ class LoRAEmbedding(nn.Module):
 
 def _lora_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
+
+
+def set_dropout_source(model: nn.Module, source) -> None:
+    """Parity mode: LoRA dropout masks from ``source``; ``None`` restores jittor's dropout."""
+    for m in _lora_layers(model):
+        if isinstance(m, LoRALinear):
+            m.mask_source = source
 
 
 def merge_lora(model: nn.Module) -> None:

@@ -23,7 +23,9 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.zeros(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.scaling = alpha / r if r else 0.0
+        self.p = dropout
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.mask_source = None  # a lora_core.dropout.NumpyDropout in parity mode
         self.merged = False
         if r:
             self.lora_A = nn.Parameter(torch.zeros(self._n_slices() * r, in_features))
@@ -35,8 +37,13 @@ class LoRALinear(nn.Module):
     def _slice_out(self) -> int:
         return self.out_features
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask_source is not None and self.training and self.p > 0:
+            return x * torch.from_numpy(self.mask_source.mask(tuple(x.shape), self.p))
+        return self.lora_dropout(x)
+
     def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        return base + (self.lora_dropout(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+        return base + (self._drop(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -83,7 +90,7 @@ class LoRAMergedLinear(LoRALinear):
         return self.out_features // len(self.enable_lora)
 
     def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        after_a = self.lora_dropout(x) @ self.lora_A.t()  # (..., k*r)
+        after_a = self._drop(x) @ self.lora_A.t()  # (..., k*r)
         r, o = self.r, self._slice_out()
         parts = list(base.split(o, dim=-1))
         for j, i in enumerate(self.enabled):
@@ -135,6 +142,14 @@ class LoRAEmbedding(nn.Module):
 
 def _lora_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
+
+
+def set_dropout_source(model: nn.Module, source) -> None:
+    """Parity mode: LoRA dropout masks come from ``source`` (``lora_core.dropout.NumpyDropout``);
+    ``None`` goes back to the framework's dropout."""
+    for m in _lora_layers(model):
+        if isinstance(m, LoRALinear):
+            m.mask_source = source
 
 
 def merge_lora(model: nn.Module) -> None:
