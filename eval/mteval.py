@@ -1,0 +1,242 @@
+"""BLEU and NIST as the official Perl scripts compute them.
+
+Two ports:
+
+- :func:`mteval_e2e`: ``mteval-v13a-sig.pl`` as run by the E2E challenge's
+  ``measure_scores.py`` (tuetschek/e2e-metrics): mteval-13a tokenisation of
+  Unicode text with ASCII-only lowercasing (``tr/[A-Z]/[a-z]/``), corpus BLEU-4
+  with the closest reference length (ties to the shorter, empty references
+  skipped) and mteval's smoothing (a zero match count counts as 1/2^k), and
+  NIST-5 with information weights from all reference n-grams of the corpus and
+  the length penalty on ``hyp_words / (ref_words / mean non-empty refs per segment)``.
+  The 13a tokenizer is sacrebleu's (:class:`sacrebleu.tokenizers.tokenizer_13a.Tokenizer13a`).
+- :func:`multi_bleu_detok`: Moses ``multi-bleu-detok.perl`` as run by WebNLG's
+  GenerationEval: the same tokenisation in Perl's byte mode (only ASCII
+  whitespace separates words), case-sensitive, closest reference length with
+  empty references counting as length 0, no smoothing, scale 0-100.
+
+Quirks kept on purpose (they change official numbers): mteval's closest-length
+update ignores a zero-length reference only after the first one, and an n-gram
+whose prefix is the word ``0`` gets its NIST information from the unigram total
+(Perl treats the string ``"0"`` as false).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+__all__ = ["tokenize_e2e", "tokenize_bytes_mode", "mteval_e2e", "multi_bleu_detok", "MtevalResult"]
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+_TOK13A = Tokenizer13a()
+_NIST_BETA = -math.log(0.5) / math.log(1.5) / math.log(1.5)
+
+# mteval-13a rules (identical to sacrebleu's TokenizerRegexp), for byte-mode text.
+_RULES_13A = [
+    (re.compile(r"([\{-\~\[-\` -\&\(-\+\:-\@\/])"), r" \1 "),
+    (re.compile(r"([^0-9])([\.,])"), r"\1 \2 "),
+    (re.compile(r"([\.,])([^0-9])"), r" \1 \2"),
+    (re.compile(r"([0-9])(-)"), r"\1 \2 "),
+]
+_ASCII_WS = re.compile(r"[ \t\n\r\f\v]+")
+
+
+def tokenize_e2e(text: str) -> list[str]:
+    """mteval-v13a tokens of ``text`` as the E2E scorer sees them (ASCII-lowercased)."""
+    return _TOK13A(text.translate(_ASCII_LOWER)).split()
+
+
+def tokenize_bytes_mode(text: str) -> list[str]:
+    """mteval-13a tokens, case kept, with Perl byte-mode whitespace (ASCII only)."""
+    text = text.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
+    if "&" in text:
+        text = text.replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    text = f" {text} "
+    for pattern, repl in _RULES_13A:
+        text = pattern.sub(repl, text)
+    return [w for w in _ASCII_WS.split(text) if w]
+
+
+def _ngrams(words: Sequence[str], max_n: int) -> Counter:
+    counts: Counter = Counter()
+    for n in range(1, max_n + 1):
+        for i in range(len(words) - n + 1):
+            counts[tuple(words[i : i + n])] += 1
+    return counts
+
+
+class MtevalResult:
+    """Corpus BLEU and NIST plus mteval's segment-level scores."""
+
+    def __init__(self, bleu: float, nist: float, seg_bleu: list[float], seg_nist: list[float]):
+        self.bleu, self.nist, self.seg_bleu, self.seg_nist = bleu, nist, seg_bleu, seg_nist
+
+
+def _closest(current: int, ref_len: int, tst_len: int) -> int:
+    """mteval ``brevity_penalty_closest`` (the -sig variant skips zero-length references)."""
+    if not ref_len:
+        return current
+    d_ref, d_cur = abs(tst_len - ref_len), abs(tst_len - current)
+    if d_ref < d_cur or (d_ref == d_cur and current > ref_len):
+        return ref_len
+    return current
+
+
+def _ngram_info(ref_tokens: Sequence[Sequence[Sequence[str]]]) -> dict:
+    """NIST information weight of every reference n-gram (n <= 5) of the corpus."""
+    counts: Counter = Counter()
+    total_words = 0
+    for refs in ref_tokens:
+        for words in refs:
+            total_words += len(words)
+            counts.update(_ngrams(words, 5))
+    info = {}
+    for gram, c in counts.items():
+        prefix = gram[:-1]
+        # Perl: `$mgram ? count/count(mgram) : count/tot_wrds`; "0" is false in Perl.
+        denom = counts[prefix] if prefix and prefix != ("0",) else total_words
+        info[gram] = -math.log(c / denom) / math.log(2)
+    return info
+
+
+def _bleu_smoothed(ref_len: float, match: Sequence[float], tst: Sequence[float]) -> float:
+    """mteval ``bleu_score`` (default smoothing), 4-grams; lists indexed 1..4."""
+    exp_len = math.exp(min(0.0, 1 - ref_len / tst[1])) if tst[1] > 0 else 0.0
+    smooth, score = 1, 0.0
+    for j in range(1, 5):
+        if tst[j] == 0:
+            iscore = 0.0
+        elif match[j] == 0:
+            smooth *= 2
+            iscore = math.log(1 / (smooth * tst[j]))
+        else:
+            iscore = math.log(match[j] / tst[j])
+        score += iscore
+    return math.exp(score / 4) * exp_len
+
+
+def _nist(nsys: float, tst: Sequence[float], ref1: float, info: Sequence[float]) -> float:
+    """mteval ``nist_score`` for 5-grams; 0 where Perl would divide by zero."""
+    score = 0.0
+    for n in range(1, 6):
+        score += info[n] / max(tst[n], 1)
+    if nsys == 0 or ref1 == 0:
+        return 0.0
+    ratio = tst[1] / (ref1 / nsys)
+    if ratio >= 1:
+        return score
+    if ratio <= 0:
+        return 0.0
+    return score * math.exp(-_NIST_BETA * math.log(ratio) ** 2)
+
+
+def _score_segment(hyp: list[str], refs: list[list[str]], info: dict) -> tuple:
+    """mteval ``score_segment``: (ref_length, nrefs, match, tst, ref_count1, tst_info)."""
+    tst_counts = _ngrams(hyp, 5)
+    tst = [0] + [max(0, len(hyp) - n + 1) for n in range(1, 6)]
+    ref_max: dict = {}
+    ref1, nrefs, ref_length = 0, 0, None
+    for words in refs:
+        nrefs += bool(words)
+        for gram, c in _ngrams(words, 5).items():
+            if c > ref_max.get(gram, 0):
+                ref_max[gram] = c
+        ref1 += len(words)
+        ref_length = len(words) if ref_length is None else _closest(ref_length, len(words), len(hyp))
+    match, tst_info = [0] * 6, [0.0] * 6
+    for gram, c in tst_counts.items():
+        if gram in ref_max:
+            m = min(c, ref_max[gram])
+            match[len(gram)] += m
+            tst_info[len(gram)] += info[gram] * m
+    return ref_length or 0, nrefs, match, tst, ref1, tst_info
+
+
+def mteval_e2e(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> MtevalResult:
+    """Corpus BLEU and NIST of ``mteval-v13a-sig.pl`` as ``measure_scores.py`` runs it.
+
+    Args:
+        hyps: one (stripped) hypothesis per instance.
+        refs: the references of each instance (at least one each).
+
+    Returns:
+        :class:`MtevalResult` with BLEU (0-1), NIST and mteval's segment scores.
+    """
+    hyp_tok = [tokenize_e2e(h) for h in hyps]
+    max_refs = max((len(r) for r in refs), default=1)
+    # measure_scores pads missing references with '' into systems ref_0, ref_1, ...
+    # that mteval visits in sorted (string) order: ref_0, ref_1, ref_10, ..., ref_2.
+    order = sorted(range(max_refs), key=str) if max_refs > 1 else [0]
+    ref_tok = [[tokenize_e2e(r[k]) if k < len(r) else [] for k in order] for r in refs]
+    info = _ngram_info(ref_tok)
+    cum_len, cum_nrefs, cum_ref1 = 0, 0, 0
+    cum_match, cum_tst, cum_info = [0] * 6, [0] * 6, [0.0] * 6
+    seg_bleu, seg_nist = [], []
+    for hyp, rs in zip(hyp_tok, ref_tok):
+        ref_length, nrefs, match, tst, ref1, tst_info = _score_segment(hyp, rs, info)
+        seg_bleu.append(_bleu_smoothed(ref_length, match, tst))
+        seg_nist.append(_nist(nrefs, tst, ref1, tst_info))
+        cum_len, cum_nrefs, cum_ref1 = cum_len + ref_length, cum_nrefs + nrefs, cum_ref1 + ref1
+        for n in range(1, 6):
+            cum_match[n] += match[n]
+            cum_tst[n] += tst[n]
+            cum_info[n] += tst_info[n]
+    n_seg = len(hyp_tok)
+    bleu = _bleu_smoothed(cum_len, cum_match, cum_tst)
+    nist = _nist(cum_nrefs / n_seg if n_seg else 0, cum_tst, cum_ref1, cum_info)
+    return MtevalResult(bleu, nist, seg_bleu, seg_nist)
+
+
+def _multi_bleu(correct: Sequence[int], total: Sequence[int], hyp_len: int, ref_len: int) -> float:
+    """multi-bleu-detok.perl's final formula, 0-100; 0 where the script gives up."""
+    if ref_len == 0 or hyp_len == 0:
+        return 0.0
+    bp = math.exp(1 - ref_len / hyp_len) if hyp_len < ref_len else 1.0
+    logs = 0.0
+    for n in range(1, 5):
+        p = correct[n] / total[n] if total[n] else 0.0
+        logs += math.log(p) if p else -9999999999
+    return 100 * bp * math.exp(logs / 4)
+
+
+def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, list[float]]:
+    """Corpus BLEU (0-100) of ``multi-bleu-detok.perl`` and its per-sentence values.
+
+    Args:
+        hyps: hypothesis lines as the script reads them (see ``inputs.chopped_raw_lines``).
+        refs: for each instance, the reference lines in file order (empty ones included).
+
+    Returns:
+        ``(bleu, sentence_bleu)``, the sentence values by the same unsmoothed formula.
+    """
+    correct, total = [0] * 5, [0] * 5
+    hyp_len = ref_len = 0
+    sent = []
+    for hyp, rs in zip(hyps, refs):
+        words = tokenize_bytes_mode(hyp)
+        closest_diff, closest_len = 9999, 9999
+        ref_max: dict = {}
+        for ref in rs:
+            rwords = tokenize_bytes_mode(ref)
+            diff = abs(len(words) - len(rwords))
+            if diff < closest_diff or (diff == closest_diff and len(rwords) < closest_len):
+                closest_diff, closest_len = diff, len(rwords)
+            for gram, c in _ngrams(rwords, 4).items():
+                if c > ref_max.get(gram, 0):
+                    ref_max[gram] = c
+        s_correct, s_total = [0] * 5, [0] * 5
+        for gram, c in _ngrams(words, 4).items():
+            s_total[len(gram)] += c
+            s_correct[len(gram)] += min(c, ref_max.get(gram, 0))
+        for n in range(1, 5):
+            correct[n] += s_correct[n]
+            total[n] += s_total[n]
+        hyp_len += len(words)
+        ref_len += closest_len
+        sent.append(_multi_bleu(s_correct, s_total, len(words), closest_len))
+    return _multi_bleu(correct, total, hyp_len, ref_len), sent
