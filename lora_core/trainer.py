@@ -1,0 +1,499 @@
+"""The training loop of the NLG experiments, framework-agnostic and resumable.
+
+Semantics of the LoRA paper's ``examples/NLG/src/gpt2_ft.py`` (microsoft/LoRA), through the
+backend contract only (``AdamW``, ``train_step``, ``eval_nll``, ``manual_seed``,
+``lora_state_dict``, ``load_partial``): batches of ``batch_size`` examples in a seeded
+order per epoch, ``epochs x ceil(N / batch_size)`` updates, the lr of update ``s`` (0-based)
+``lr_at(s, ...)``, label-smoothed loss on completion tokens, optional clipping and gradient
+accumulation, validation NLL / perplexity every ``eval_every`` updates.
+
+Differences from the paper code, on purpose:
+- dynamic padding (``pad_to`` restores the 512-token batches);
+- validation NLL is averaged over tokens (the paper averages per-batch means);
+- with ``grad_accum`` the schedule counts optimizer updates (the paper steps its scheduler
+  per micro-batch, so its ``--warmup_step`` is in micro-batches);
+- checkpoints hold the adapter only, plus what an exact resume needs.
+
+Exact resume. Everything random is a function of ``(seed, epoch)`` or ``(seed, step)``: the
+data order is ``numpy.random.default_rng([seed, epoch]).permutation(N)``, and the framework
+RNG is reseeded with ``seed * 1_000_003 + step`` before every update (dropout masks). A
+checkpoint ``OUT/ckpt-{step}/`` holds the adapter (``save_adapter``), the optimizer moments
+(``trainer_state.safetensors``) and ``trainer_state.json`` (step, epoch, batch position in
+the epoch, schedule, RNG recipe, data fingerprint). It is written in a hidden temp folder
+renamed into place, then the ``OUT/latest`` pointer is replaced atomically; temp leftovers
+of a killed run are ignored and removed. A resumed run therefore ends with the same
+weights as an uninterrupted one, bit for bit on the same machine and backend.
+
+Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per line, ``kind``
+``start``/``train``/``eval``), ``ckpt-{step}/``, ``latest``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .batching import collate
+from .checkpoint import (
+    atomic_write,
+    load_adapter,
+    read_tensors,
+    save_adapter,
+    write_json_atomic,
+    write_safetensors_atomic,
+)
+from .dropout import NumpyDropout
+from .recipes import TrainConfig
+from .schedule import lr_at
+
+__all__ = [
+    "Trainer",
+    "train",
+    "epoch_batches",
+    "steps_per_epoch",
+    "total_steps",
+    "dropout_seed",
+    "evaluate",
+    "find_checkpoint",
+    "read_log",
+    "LOG_FILE",
+    "LATEST_FILE",
+]
+
+LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
+STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- data order
+
+
+def steps_per_epoch(n: int, batch_size: int, last_batch: str = "keep") -> int:
+    return n // batch_size if last_batch == "drop" else -(-n // batch_size)
+
+
+def total_steps(cfg: TrainConfig, n: int) -> int:
+    """Updates of the whole run (the schedule's end): ``max_steps`` or epochs x updates per epoch."""
+    return cfg.max_steps or cfg.epochs * steps_per_epoch(n, cfg.batch_size, cfg.last_batch)
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, last_batch: str = "keep") -> list[np.ndarray]:
+    """Example indices of each batch of ``epoch`` (0-based): a permutation drawn from
+    ``default_rng([seed, epoch])``; ``fill`` tops the last batch up with draws from the same
+    generator (the paper's ``FT_Dataset`` fills it with random examples)."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    rest = n % batch_size
+    if rest and last_batch == "fill":
+        order = np.concatenate([order, rng.integers(0, n, batch_size - rest)])
+    elif rest and last_batch == "drop":
+        order = order[: n - rest]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def dropout_seed(seed: int, step: int) -> int:
+    """Framework seed before update ``step``: dropout masks depend on (seed, step) only."""
+    return seed * 1_000_003 + step
+
+
+def _pairs(examples) -> list[tuple[list[int], list[int]]]:
+    """``(context, completion)`` pairs from pairs or ``read_encoded`` records."""
+    return [(e["context"], e["completion"]) if isinstance(e, dict) else (e[0], e[1]) for e in examples]
+
+
+def _fingerprint(pairs) -> str:
+    h = hashlib.sha256()
+    for c, t in pairs:
+        h.update(np.asarray([len(c), len(t), *c, *t], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def _diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Differences between two nested dicts, one ``key: saved X, now Y`` line each."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: saved {a!r}, now {b!r}")
+    return out
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(rss / 2**20 if sys.platform == "darwin" else rss / 1024, 1)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None) -> dict:
+    """Plain NLL per completion token (and perplexity) over ``examples``; batches are formed
+    in length order so that dynamic padding wastes little."""
+    pairs = _pairs(examples)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    total, count = 0.0, 0
+    for s in range(0, len(order), batch_size):
+        batch = collate([pairs[i] for i in order[s : s + batch_size]], pad_to=pad_to, max_len=model.config.n_positions)
+        nll, n = backend.eval_nll(model, batch)
+        total, count = total + nll, count + n
+    mean = total / max(count, 1)
+    return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": count}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``OUT/latest`` names; without that file, the highest ``ckpt-N`` (every
+    such folder is complete: it appears by rename). Hidden temp folders are ignored."""
+    out_dir = Path(out_dir)
+    latest = out_dir / LATEST_FILE
+    if latest.is_file():
+        path = out_dir / latest.read_text(encoding="utf-8").strip()
+        if not (path / STATE_JSON).is_file():
+            raise FileNotFoundError(f"{latest} names {path.name}, which is not a complete checkpoint")
+        return path
+    done = [p for p in out_dir.glob("ckpt-*") if p.name[5:].isdigit() and (p / STATE_JSON).is_file()]
+    return max(done, key=lambda p: int(p.name[5:])) if done else None
+
+
+def read_log(path: str | os.PathLike) -> list[dict]:
+    """Records of a ``log.jsonl``; a torn last line (a killed writer) is skipped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}, line {i + 1}: not JSON") from None
+    return out
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Position of the run; ``batch_in_epoch`` batches of ``epoch`` (0-based) are done."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    examples_seen: int = 0
+    tokens_seen: int = 0
+
+
+class Trainer:
+    """Trains ``model`` (built by ``backend``) with ``cfg``, writing into ``out_dir``.
+
+    Args:
+        backend: a backend module (``lora_core.get_backend(name)``).
+        model: a LoRA model of that backend (``model.config``, ``model.lora_config``).
+        cfg: the training recipe.
+        out_dir: run folder (created).
+        progress: show a tqdm bar.
+        base_note: which base weights the adapter belongs to (stored in its config).
+    """
+
+    def __init__(self, backend, model, cfg: TrainConfig, out_dir, progress: bool = True, base_note: str | None = None):
+        if getattr(model, "lora_config", None) is None:
+            raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
+        if cfg.pad_to is not None and cfg.pad_to > model.config.n_positions:
+            raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's n_positions={model.config.n_positions}")
+        self.backend, self.model, self.cfg = backend, model, cfg
+        self.out_dir, self.progress, self.base_note = Path(out_dir), progress, base_note
+        self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
+        self.state = TrainerState()
+
+    # ---------------------------------------------------------------- run set-up
+
+    def _run_config(self, pairs) -> dict:
+        return {
+            "train": self.cfg.to_dict(),
+            "model": self.model.config.to_dict(),
+            "lora": self.model.lora_config.to_dict(),
+            "base": self.base_note,
+            "data": {"n_train": len(pairs), "sha256": _fingerprint(pairs)},
+        }
+
+    def _prepare_dir(self, pairs, resume: bool) -> None:
+        out, run = self.out_dir, self._run_config(pairs)
+        out.mkdir(parents=True, exist_ok=True)
+        old = out / CONFIG_FILE
+        if not resume:
+            if old.exists() or (out / LOG_FILE).exists() or find_checkpoint(out) is not None:
+                raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
+        for junk in [*out.glob(".ckpt-*.tmp"), *out.glob(f".{LATEST_FILE}.*.tmp")]:  # leftovers of a killed save
+            shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
+        if resume and old.is_file():
+            diff = _diff(json.loads(old.read_text(encoding="utf-8")), run)
+            if diff:
+                raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
+        write_json_atomic(old, run)
+        ckpt = find_checkpoint(out) if resume else None
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+        if resume:  # drop log lines past the checkpoint: the resumed run writes them again
+            log = out / LOG_FILE
+            keep = [r for r in read_log(log) if r.get("step", 0) <= self.state.step] if log.is_file() else []
+            atomic_write(log, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in keep)))
+
+    def _log(self, record: dict) -> None:
+        with open(self.out_dir / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, total: int) -> Path:
+        """Write ``OUT/ckpt-{step}`` (temp folder + rename), then point ``OUT/latest`` at it."""
+        s, cfg = self.state, self.cfg
+        name = f"ckpt-{s.step}"
+        final = self.out_dir / name
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.out_dir))
+        save_adapter(
+            tmp,
+            self.model.config,
+            self.model.lora_config,
+            self.backend.lora_state_dict(self.model),
+            base=self.base_note,
+        )
+        opt = self.optimizer.state_numpy()
+        write_safetensors_atomic(tmp / STATE_TENSORS, opt)
+        write_json_atomic(
+            tmp / STATE_JSON,
+            {
+                "format": FORMAT_VERSION,
+                **dataclasses.asdict(s),
+                "total_steps": total,
+                "schedule": {
+                    "kind": cfg.schedule,
+                    "base_lr": cfg.lr,
+                    "warmup": cfg.warmup,
+                    "max_step": total,
+                    "next_lr": lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule),
+                },
+                "rng": {
+                    "seed": cfg.seed,
+                    "data_order": "numpy default_rng([seed, epoch]).permutation(n)",
+                    "dropout": f"manual_seed(seed * 1000003 + step), next {dropout_seed(cfg.seed, s.step)}",
+                },
+                "backend": self.backend.NAME,
+                "time": time.time(),
+            },
+        )
+        if final.exists():  # a save of this step from a run killed before it updated `latest`
+            trash = Path(tempfile.mkdtemp(prefix=f".{name}.old.", suffix=".tmp", dir=self.out_dir))
+            os.replace(final, trash / name)
+            shutil.rmtree(trash)
+        os.replace(tmp, final)
+        atomic_write(self.out_dir / LATEST_FILE, lambda p: Path(p).write_text(name + "\n", encoding="utf-8"))
+        return final
+
+    def load_checkpoint(self, path) -> None:
+        """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
+        path = Path(path)
+        lora, cfg, tensors, _ = load_adapter(path)
+        if lora != self.model.lora_config or cfg != self.model.config:
+            raise ValueError(
+                f"{path}: adapter was trained with {lora} on {cfg}, the model has "
+                f"{self.model.lora_config} on {self.model.config}"
+            )
+        self.model.load_partial(tensors)
+        opt = read_tensors(path / STATE_TENSORS)
+        if "t" in opt:
+            opt["t"] = opt["t"].reshape(())  # stored (1,): safetensors writers make scalars 1-d
+        self.optimizer.load_state_numpy(opt)
+        meta = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+        self.state = TrainerState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainerState)})
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None) -> dict:
+        """Train to ``total_steps``; returns a summary (last step, loss, valid NLL, checkpoint).
+
+        Args:
+            train_examples, valid_examples: ``(context_ids, completion_ids)`` pairs or
+                ``read_encoded`` records.
+            resume: continue from ``OUT/latest`` (a fresh start if none was saved yet).
+            kill_after: test hook: after update N (and its log and checkpoint) the process
+                kills itself with SIGKILL, as a crash would.
+        """
+        cfg, be, model = self.cfg, self.backend, self.model
+        pairs = _pairs(train_examples)
+        valid = _pairs(valid_examples or [])[: cfg.eval_limit]
+        self._check_ids(pairs + valid)
+        self._prepare_dir(pairs, resume)
+        total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
+        s = self.state
+        self._log(
+            {
+                "kind": "start",
+                "step": s.step,
+                "backend": be.NAME,
+                "resumed": s.step > 0,
+                "total_steps": total,
+                "steps_per_epoch": per_epoch,
+                "n_train": len(pairs),
+                "n_valid": len(valid),
+                "trainable": be.count_trainable(model),
+            }
+        )
+        masks = NumpyDropout(cfg.seed) if cfg.dropout_masks == "numpy" else None
+        be.set_dropout_source(model, masks)
+        try:
+            return self._loop(pairs, valid, total, per_epoch, kill_after, masks)
+        finally:
+            be.set_dropout_source(model, None)
+
+    def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
+        cfg, be, model, s = self.cfg, self.backend, self.model, self.state
+        bar = _progress(total, s.step, be.NAME, self.progress)
+        window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+        start_step, result = s.step, {}
+        while s.step < total:
+            batches = epoch_batches(len(pairs), cfg.batch_size, cfg.seed, s.epoch, cfg.last_batch)
+            for b in range(s.batch_in_epoch, len(batches)):
+                t0 = time.perf_counter()
+                idx = batches[b]
+                micro = [
+                    collate([pairs[i] for i in chunk], pad_to=cfg.pad_to, max_len=model.config.n_positions)
+                    for chunk in np.array_split(idx, min(cfg.grad_accum, len(idx)))
+                ]
+                lr = lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule)
+                be.manual_seed(dropout_seed(cfg.seed, s.step))
+                if masks is not None:
+                    masks.reseed(s.step)
+                out = be.train_step(model, self.optimizer, micro, lr, cfg.label_smooth, cfg.max_grad_norm)
+                dt = time.perf_counter() - t0
+                tokens = int(sum(int(mb["n_tokens"]) for mb in micro))
+                s.step, s.batch_in_epoch = s.step + 1, b + 1
+                s.examples_seen, s.tokens_seen = s.examples_seen + len(idx), s.tokens_seen + tokens
+                if s.batch_in_epoch == len(batches):
+                    s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+                for k, v in (("loss", out["loss"]), ("n", 1), ("time", dt), ("examples", len(idx)), ("tokens", tokens)):
+                    window[k] += v
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{lr:.2e}", refresh=False)
+                result = self._after_step(out, lr, window, total, per_epoch, valid)
+                if s.step == kill_after:
+                    bar.close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if s.step >= total:
+                    break
+        bar.close()
+        if s.step > start_step:
+            if valid and "valid_nll" not in result:
+                result.update(self._evaluate(valid, per_epoch))
+            if not (cfg.save_every and s.step % cfg.save_every == 0):
+                self.save_checkpoint(total)
+        return {
+            "step": s.step,
+            "epoch": round(s.step / per_epoch, 4),
+            **{k: v for k, v in result.items() if k != "kind"},
+            "checkpoint": str(find_checkpoint(self.out_dir)),
+            "log": str(self.out_dir / LOG_FILE),
+        }
+
+    def _after_step(self, out: dict, lr: float, window: dict, total: int, per_epoch: int, valid) -> dict:
+        """Log, evaluate and save as the schedule of ``log_every``/``eval_every``/``save_every`` says."""
+        cfg, s = self.cfg, self.state
+        result = {"loss": out["loss"]}
+        if s.step % cfg.log_every == 0 or s.step == total:
+            w = window
+            norm = out.get("grad_norm")
+            self._log(
+                {
+                    "kind": "train",
+                    "step": s.step,
+                    "epoch": round(s.step / per_epoch, 4),
+                    "lr": lr,
+                    "loss": out["loss"],
+                    "avg_loss": w["loss"] / w["n"],
+                    "grad_norm": None if norm is None or math.isnan(norm) else norm,
+                    "ms_per_batch": 1000 * w["time"] / w["n"],
+                    "examples_per_s": w["examples"] / w["time"],
+                    "tokens_per_s": w["tokens"] / w["time"],
+                    "peak_rss_mb": _peak_rss_mb(),
+                }
+            )
+            window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+        if valid and cfg.eval_every and s.step % cfg.eval_every == 0:
+            result.update(self._evaluate(valid, per_epoch))
+        if cfg.save_every and s.step % cfg.save_every == 0:
+            self.save_checkpoint(total)
+        return result
+
+    def _evaluate(self, valid, per_epoch: int) -> dict:
+        t0 = time.perf_counter()
+        res = evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg.pad_to)
+        self._log(
+            {
+                "kind": "eval",
+                "step": self.state.step,
+                "epoch": round(self.state.step / per_epoch, 4),
+                **res,
+                "eval_s": round(time.perf_counter() - t0, 3),
+            }
+        )
+        return res
+
+    def _check_ids(self, pairs) -> None:
+        V = self.model.config.vocab_size
+        top = max((max([*c, *t], default=-1) for c, t in pairs), default=-1)
+        if top >= V:
+            raise ValueError(
+                f"the data holds token id {top}, outside the model's vocabulary of {V} "
+                f"(wrong tokenizer, or a random-init model with too small a vocab_size?)"
+            )
+
+
+def _progress(total: int, initial: int, name: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=f"train[{name}]",
+        unit="step",
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
+
+
+def train(
+    backend,
+    model,
+    train_examples,
+    valid_examples,
+    cfg: TrainConfig,
+    out_dir,
+    resume: bool = False,
+    max_steps: int | None = None,
+    progress: bool = True,
+    base_note: str | None = None,
+    kill_after: int | None = None,
+) -> dict:
+    """Train ``model`` with ``cfg`` into ``out_dir``; see :class:`Trainer` and :meth:`Trainer.fit`.
+
+    ``max_steps`` is shorthand for ``cfg.max_steps`` (the run's length and the schedule's end).
+    """
+    if max_steps is not None:
+        cfg = dataclasses.replace(cfg, max_steps=max_steps)
+    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note)
+    return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after)
