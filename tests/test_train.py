@@ -275,6 +275,21 @@ def test_cli_rejects_bad_override(toy, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_cli_init_checkpoint(backend, toy, tmp_path):
+    """``--save-base`` writes the random base; ``--init-checkpoint`` on it trains the same adapter."""
+    args = _cli_args(backend.NAME, toy, tmp_path / "a")
+    args[args.index("--max-steps") + 1] = "3"
+    assert train_cli.main(args + ["--save-base"]) == 0
+    init = args.index("--random-init")
+    other = args[:init] + ["--init-checkpoint", str(tmp_path / "a" / "base")] + args[init + 4 :]
+    other[other.index("--out-dir") + 1] = str(tmp_path / "b")
+    assert train_cli.main(other) == 0
+    a, b = (read_tensors(tmp_path / d / "ckpt-3" / "adapter.safetensors") for d in "ab")
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    meta = json.loads((tmp_path / "b" / "ckpt-3" / "adapter_config.json").read_text())
+    assert meta["base"] == str(tmp_path / "a" / "base")
+
+
 # --------------------------------------------------------------------------- (e) torn checkpoints
 
 
