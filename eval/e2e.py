@@ -4,8 +4,7 @@ BLEU and NIST come from the port of ``mteval-v13a-sig.pl`` (:mod:`eval.mteval`);
 METEOR, ROUGE-L and CIDEr follow coco-caption: every text is PTB-tokenised by the
 CoreNLP jar (one JVM for all references and hypotheses), then METEOR 1.5 scores
 it (:mod:`eval.java`) and ROUGE-L / CIDEr-D are computed here (:mod:`eval.coco`).
-The METEOR JVM is started first, so that loading its paraphrase table overlaps
-with tokenisation and the Python metrics.
+METEOR runs on a thread while ROUGE-L and CIDEr are computed.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from .coco import cider_d, rouge_l
 from .common import check_instances, per_instance_rows, select_metrics
 from .inputs import EvalInputError, count_mismatch, preview, read_e2e_references, read_lines
-from .java import MeteorProcess, coco_score_line, ptb_tokenize, require_java
+from .java import coco_score_line, ptb_tokenize, require_java
+from .meteor import meteor_stdio
 from .mteval import mteval_e2e
 
 __all__ = ["E2E_METRICS", "score_e2e", "score_e2e_lists"]
@@ -76,30 +76,25 @@ def score_e2e_lists(
     hyps, refs = _clean(hyps, refs)
     java_metrics = [m for m in wanted if m in _NEEDS_JAVA]
     java = require_java(java_metrics, ["BLEU", "NIST"]) if java_metrics else None
-    meteor = MeteorProcess(java) if "METEOR" in wanted else None  # loads while we work
     found: dict[str, tuple[float, list[float]]] = {}
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            flat = [r for rs in refs for r in rs]
-            ptb = pool.submit(ptb_tokenize, java, flat + hyps) if java else None
-            if "BLEU" in wanted or "NIST" in wanted:
-                mt = mteval_e2e(hyps, refs)
-                found["BLEU"], found["NIST"] = (mt.bleu, mt.seg_bleu), (mt.nist, mt.seg_nist)
-            if ptb is not None:
-                ref_tok, hyp_tok = _split_tokens(ptb.result(), refs)
-                met = None
-                if meteor is not None:
-                    lines = [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
-                    met = pool.submit(meteor.score, lines)
-                if "ROUGE_L" in wanted:
-                    found["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
-                if "CIDEr" in wanted:
-                    found["CIDEr"] = cider_d(hyp_tok, ref_tok)
-                if met is not None:
-                    found["METEOR"] = met.result()
-    finally:
-        if meteor is not None:
-            meteor.close()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        flat = [r for rs in refs for r in rs]
+        ptb = pool.submit(ptb_tokenize, java, flat + hyps) if java else None
+        if "BLEU" in wanted or "NIST" in wanted:
+            mt = mteval_e2e(hyps, refs)
+            found["BLEU"], found["NIST"] = (mt.bleu, mt.seg_bleu), (mt.nist, mt.seg_nist)
+        if ptb is not None:
+            ref_tok, hyp_tok = _split_tokens(ptb.result(), refs)
+            met = None
+            if "METEOR" in wanted:
+                lines = [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
+                met = pool.submit(meteor_stdio, java, lines)
+            if "ROUGE_L" in wanted:
+                found["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
+            if "CIDEr" in wanted:
+                found["CIDEr"] = cider_d(hyp_tok, ref_tok)
+            if met is not None:
+                found["METEOR"] = met.result()
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})

@@ -195,7 +195,7 @@ def transpose_references(paths: Sequence[PathLike], columns: Sequence[Sequence[s
             longer_path, longer = (paths[0], columns[0]) if n0 > len(col) else (path, col)
             raise EvalInputError(
                 f"reference files differ in length: {paths[0]} has {n0} lines but {path} has "
-                f"{len(col)}; first line without a partner: {first + 1} (in {longer_path}): "
+                f"{len(col)}; first unmatched line: {longer_path} line {first + 1}: "
                 f"{_preview(longer[first])}"
             )
     return [list(refs) for refs in zip(*columns)]

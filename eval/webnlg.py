@@ -25,7 +25,8 @@ from pathlib import Path
 from .chrf import chrf_plus_plus
 from .common import check_instances, per_instance_rows, select_metrics
 from .inputs import EvalInputError, count_mismatch, preview, read_lines, transpose_references
-from .java import MeteorProcess, meteor_files, require_java
+from .java import require_java
+from .meteor import meteor_files, meteor_stdio
 from .mteval import multi_bleu_detok
 from .ter import ter_multi
 from .wordtok import word_tokenize
@@ -49,12 +50,11 @@ def _tokenize_all(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[l
     return [tok(h) for h in hyps], [[tok(r) for r in rs] for rs in refs]
 
 
-def _meteor(java: str, meteor: MeteorProcess, hyp_tok: list[str], ref_tok: list[list[str]]):
+def _meteor(java: str, hyp_tok: list[str], ref_tok: list[list[str]]) -> tuple[float, list[float]]:
     """METEOR over ``-stdio``; texts containing ``|||`` (the field separator there) use files."""
     if any("|||" in t for t in hyp_tok) or any("|||" in r for rs in ref_tok for r in rs):
-        meteor.close()
         return meteor_files(java, hyp_tok, ref_tok)
-    return meteor.score(["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok)])
+    return meteor_stdio(java, ["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok)])
 
 
 def score_webnlg_lists(
@@ -87,27 +87,22 @@ def score_webnlg_lists(
     hyps = [h.rstrip("\r") for h in hyps]
     refs = [[r.rstrip("\r") for r in rs] for rs in refs]
     java = require_java(["METEOR"], ["BLEU", "TER", "chrF++"]) if "METEOR" in wanted else None
-    meteor = MeteorProcess(java) if java else None  # loads its paraphrase table meanwhile
     found: dict = {}
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            met = None
-            if "METEOR" in wanted or "TER" in wanted:
-                hyp_tok, ref_tok = _tokenize_all(hyps, refs)
-                if meteor is not None:
-                    met = pool.submit(_meteor, java, meteor, hyp_tok, ref_tok)
-                if "TER" in wanted:
-                    per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
-                    found["TER"] = (sum(per) / len(per), per)
-            if "BLEU" in wanted:
-                found["BLEU"] = multi_bleu_detok(hyps, refs)
-            if "chrF++" in wanted:
-                found["chrF++"] = chrf_plus_plus(hyps, refs)
-            if met is not None:
-                found["METEOR"] = met.result()
-    finally:
-        if meteor is not None:
-            meteor.close()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        met = None
+        if "METEOR" in wanted or "TER" in wanted:
+            hyp_tok, ref_tok = _tokenize_all(hyps, refs)
+            if java is not None:
+                met = pool.submit(_meteor, java, hyp_tok, ref_tok)
+            if "TER" in wanted:
+                per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
+                found["TER"] = (sum(per) / len(per), per)
+        if "BLEU" in wanted:
+            found["BLEU"] = multi_bleu_detok(hyps, refs)
+        if "chrF++" in wanted:
+            found["chrF++"] = chrf_plus_plus(hyps, refs)
+        if met is not None:
+            found["METEOR"] = met.result()
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})

@@ -1,0 +1,156 @@
+"""METEOR 1.5 (``-l en -norm``), driven the way coco-caption's ``meteor.py`` does.
+
+``-stdio`` protocol: one ``SCORE ||| ref ||| ... ||| hyp`` line per segment
+answers that segment's sufficient statistics; one ``EVAL ||| stats ||| ...``
+line answers the score of every segment, then the corpus score computed from
+the aggregated statistics (what file mode prints as "Final score"; checked
+equal on the WebNLG example).
+
+Speed, with the same numbers: METEOR's start is dominated by loading its
+paraphrase table, so it is given the subset of the table that the texts can use
+(:mod:`eval.paraphrase`), and segments are scored by two JVMs in parallel (the
+statistics of a segment do not depend on the others); the ``EVAL`` line then
+goes to one of them. Without the paraphrase cache, one JVM loads the full table.
+Texts containing ``|||`` (the field separator) are scored in file mode, as
+WebNLG's GenerationEval runs METEOR.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .java import JAVA_OPTS, meteor_jar
+from .paraphrase import subset_table
+
+__all__ = ["MeteorProcess", "meteor_stdio", "meteor_files"]
+
+
+class MeteorProcess:
+    """One METEOR JVM in ``-stdio`` mode.
+
+    Args:
+        java: java executable.
+        table: paraphrase table to load instead of the jar's default (``-a``).
+    """
+
+    def __init__(self, java: str, table: Path | None = None):
+        cmd = [java, *JAVA_OPTS, "-Xmx2G", "-jar", str(meteor_jar()), "-", "-", "-stdio", "-l", "en", "-norm"]
+        if table is not None:
+            cmd += ["-a", str(table)]
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(cmd, cwd=str(meteor_jar().parent), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._stderr)
+
+    def _fail(self, what: str) -> RuntimeError:
+        self._proc.kill()
+        self._proc.wait()
+        self._stderr.seek(0)
+        err = self._stderr.read().decode("utf-8", "replace")[-2000:]
+        return RuntimeError(f"METEOR {what} (exit {self._proc.returncode}): {err}")
+
+    def _readline(self) -> str:
+        line = self._proc.stdout.readline()
+        if not line:
+            raise self._fail("stopped early")
+        return line.decode("utf-8").strip()
+
+    def _write_all(self, lines: list[bytes]) -> None:
+        try:
+            for line in lines:
+                self._proc.stdin.write(line)
+            self._proc.stdin.flush()
+        except OSError:  # the reader reports the failure
+            pass
+
+    def stats(self, score_lines: Sequence[str]) -> list[str]:
+        """Sufficient statistics of each ``SCORE`` line (written by a thread while read)."""
+        payload = [(line + "\n").encode("utf-8") for line in score_lines]
+        writer = threading.Thread(target=self._write_all, args=(payload,), daemon=True)
+        writer.start()
+        out = [self._readline() for _ in score_lines]
+        writer.join()
+        return out
+
+    def evaluate(self, stats: Sequence[str]) -> tuple[float, list[float]]:
+        """``(corpus_score, segment_scores)`` of the aggregated statistics."""
+        self._proc.stdin.write(("EVAL ||| " + " ||| ".join(stats) + "\n").encode("utf-8"))
+        self._proc.stdin.flush()
+        seg = [float(self._readline()) for _ in stats]
+        return float(self._readline()), seg
+
+    def close(self) -> None:
+        """Stop the JVM (idempotent)."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
+
+
+def _workers(n_lines: int) -> int:
+    env = os.environ.get("LORA_EVAL_METEOR_JVMS")
+    if env:
+        return max(1, int(env))
+    return 2 if (os.cpu_count() or 1) >= 2 and n_lines >= 200 else 1
+
+
+def meteor_stdio(java: str, score_lines: Sequence[str]) -> tuple[float, list[float]]:
+    """Corpus and segment METEOR of ``SCORE`` lines.
+
+    Args:
+        java: java executable.
+        score_lines: one ``SCORE ||| ref ||| ... ||| hyp`` line per segment (their
+            words also select the paraphrase subset).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp, "paraphrase-subset.gz")
+        table = table if subset_table(meteor_jar().parent / "data" / "paraphrase-en.gz", score_lines, table) else None
+        n = _workers(len(score_lines)) if table is not None else 1
+        procs = [MeteorProcess(java, table) for _ in range(n)]
+        try:
+            size = -(-len(score_lines) // n)
+            parts = [score_lines[i * size : (i + 1) * size] for i in range(n)]
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                stats = [s for part in pool.map(lambda pp: pp[0].stats(pp[1]), zip(procs, parts)) for s in part]
+            return procs[0].evaluate(stats)
+        finally:
+            for p in procs:
+                p.close()
+
+
+def meteor_files(java: str, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, list[float]]:
+    """METEOR in file mode (``hyp ref -l en -norm -r N``), as GenerationEval runs it.
+
+    Args:
+        java: java executable.
+        hyps: one tokenised hypothesis per instance.
+        refs: the references of each instance (padded with ``""`` to the same N).
+
+    Returns:
+        ``(final_score, segment_scores)``.
+    """
+    nref = max(len(rs) for rs in refs)
+    flat = [r for rs in refs for r in list(rs) + [""] * (nref - len(rs))]
+    with tempfile.TemporaryDirectory() as tmp:
+        hyp_file, ref_file = Path(tmp, "hyp"), Path(tmp, "ref")
+        hyp_file.write_text("\n".join(hyps), encoding="utf-8")
+        ref_file.write_text("\n".join(flat), encoding="utf-8")
+        cmd = [java, *JAVA_OPTS, "-Xmx2G", "-jar", str(meteor_jar()), str(hyp_file), str(ref_file),
+               "-l", "en", "-norm", "-r", str(nref)]
+        proc = subprocess.run(cmd, cwd=str(meteor_jar().parent), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, check=False)
+    lines = proc.stdout.decode("utf-8", "replace").splitlines()
+    seg = [float(line.split()[-1]) for line in lines if line.startswith("Segment ")]
+    final = [float(line.split()[-1]) for line in lines if line.startswith("Final score:")]
+    if proc.returncode != 0 or not final or len(seg) != len(hyps):
+        raise RuntimeError(f"METEOR failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
+    return final[0], seg

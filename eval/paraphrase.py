@@ -1,0 +1,228 @@
+"""A per-run subset of METEOR 1.5's English paraphrase table, so METEOR starts fast.
+
+Loading the full table (5.3 M entries, ``paraphrase-en.gz`` of ``pycocoevalcap``)
+takes METEOR 6-10 s of every run. METEOR ships ``FilterParaphrase``, which keeps
+only the entries one of whose phrases occurs in the (normalised) references,
+and documents that scores do not change (a paraphrase can only match where its
+phrases occur). We keep a superset of what it keeps, without reading the whole
+table on every run:
+
+- once, the table is indexed into a cache file (``$LORA_EVAL_CACHE`` or
+  ``~/.cache/lora-eval``): token ids of both phrases of every entry, their
+  lengths and the probabilities; about 20-60 s, then reused;
+- per run, ``V`` = for every lower-cased input token (and its form after
+  METEOR's quote and dash normalisation), its single characters and every run of
+  consecutive pieces, a piece being a maximal run of the normaliser's word
+  characters or one other character: the normaliser (``-norm``) only splits
+  tokens between such pieces and rewrites those characters, so every word it
+  produces is in ``V``; an entry is kept if all words of either phrase are in
+  ``V``, in table order, with its probability written back to the same double.
+
+:func:`subset_table` returns None (use the full table) if the cache cannot be
+built or written; set ``LORA_EVAL_FULL_PARAPHRASE=1`` to always use the full table.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["subset_table", "build_index", "index_path"]
+
+_VERSION = 1
+_QUOTES = str.maketrans({"`": "'", "‘": "'", "’": "'", "“": '"', "”": '"', "–": "-"})
+# METEOR Normalizer's ``alnum`` class (edu.cmu.meteor.util.Normalizer)
+_WORD_CHARS = "0-9A-Za-zŠŽšžŸÀ-ÖØ-öø-žЀ-ӿԀ-ԧꙀ-ꙮ꙾-ꚗᴀ-ᵿ"
+_PIECE = re.compile(f"[{_WORD_CHARS}]+|.", re.S)
+_PIECE_WORD = re.compile(f"[{_WORD_CHARS}]")
+_TOKENS: dict = {}  # token -> _Token, shared across runs of one process
+
+
+def index_path(table: Path) -> Path:
+    """Cache file for ``table`` (keyed by its size and modification time)."""
+    root = Path(os.environ.get("LORA_EVAL_CACHE") or Path.home() / ".cache" / "lora-eval")
+    st = table.stat()
+    return root / f"paraphrase-en.v{_VERSION}.{st.st_size}.{st.st_mtime_ns}.npz"
+
+
+def build_index(table: Path, out: Path) -> None:
+    """Index the gzipped METEOR paraphrase table (``prob / phrase1 / phrase2`` lines)."""
+    lines = gzip.decompress(table.read_bytes()).decode("utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if len(lines) % 3:
+        raise ValueError(f"{table}: {len(lines)} lines, not a multiple of 3")
+    prob_text = lines[0::3]
+    sides = [s for pair in zip(lines[1::3], lines[2::3]) for s in pair]
+    del lines
+    probs = np.array(prob_text, dtype=np.float64)
+    exact = {i: s for i, s in enumerate(prob_text) if repr(float(s)) != s}
+    lengths = np.fromiter((s.count(" ") + 1 for s in sides), dtype=np.uint8, count=len(sides))
+    vocab: dict[str, int] = {}
+    tokens = " ".join(sides).split(" ")
+    if len(tokens) != int(lengths.sum(dtype=np.int64)):
+        raise ValueError(f"{table}: phrases are not single-space separated")
+    ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), dtype=np.int64, count=len(tokens))
+    if len(vocab) >= 2**16:
+        raise ValueError(f"{table}: {len(vocab)} distinct words, more than this index holds")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".tmp", delete=False) as fh:
+        np.savez(fh, ids=ids.astype(np.uint16), lengths=lengths, probs=probs,
+                 vocab=np.frombuffer("\n".join(vocab).encode("utf-8"), dtype=np.uint8),
+                 exact=np.frombuffer(json.dumps(exact).encode("utf-8"), dtype=np.uint8))
+    os.replace(fh.name, out)
+
+
+class _Index:
+    def __init__(self, path: Path):
+        with np.load(path) as z:
+            self.ids = z["ids"]
+            self.lengths = z["lengths"]
+            self.probs = z["probs"]
+            self.vocab = bytes(z["vocab"]).decode("utf-8").split("\n")
+            self.exact = {int(k): v for k, v in json.loads(bytes(z["exact"]).decode("utf-8")).items()}
+        self.starts = np.zeros(len(self.lengths), dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=self.starts[1:])
+        # words without a letter or digit (a few odd symbols) are always kept
+        self.always = np.array([not any(c.isalnum() for c in w) for w in self.vocab])
+        self.word_id = {w: i for i, w in enumerate(self.vocab)}
+
+
+@lru_cache(maxsize=1)
+def _index(table: str) -> _Index | None:
+    path = index_path(Path(table))
+    if not path.exists():
+        print(f"lora-eval: indexing METEOR's paraphrase table once into {path} ...", file=sys.stderr)
+        try:
+            build_index(Path(table), path)
+        except (OSError, ValueError, MemoryError) as exc:
+            print(f"lora-eval: cannot index the paraphrase table ({exc}); using the full table", file=sys.stderr)
+            return None
+    return _Index(path)
+
+
+class _Token:
+    """What ``-norm`` could make of one input token (its lower-cased forms)."""
+
+    __slots__ = ("words", "heads", "tails", "pairs", "has_word")
+
+    def __init__(self, token: str):
+        low = token.lower()
+        self.words: set = set()
+        self.heads: set = set()  # words that can come first (after droppable pieces)
+        self.tails: set = set()  # words that can come last
+        self.pairs: set = set()  # words that can be adjacent inside the token
+        self.has_word = False
+        for form in {low, token.casefold(), low.translate(_QUOTES)}:
+            self._add(form)
+
+    def _add(self, form: str) -> None:
+        pieces = _PIECE.findall(form)
+        word = [bool(_PIECE_WORD.match(p)) for p in pieces]
+        self.has_word |= any(word)
+        n = len(pieces)
+        spans = {(i, j): "".join(pieces[i:j]) for i in range(n) for j in range(i + 1, n + 1)}
+        self.words.update(spans.values())
+        lead = next((i for i in range(n) if word[i]), n)  # pieces before `lead` may vanish
+        trail = max((j for j in range(n + 1) if not any(word[j:])), default=n)
+        for (i, j), w in spans.items():
+            if i <= lead:
+                self.heads.add(w)
+            if j >= trail:
+                self.tails.add(w)
+            k = j
+            while True:  # following words, skipping non-word pieces between
+                self.pairs.update((w, spans[(k, m)]) for m in range(k + 1, n + 1))
+                if k >= n or word[k]:
+                    break
+                k += 1
+
+
+def _text_words(text: str, words: set, pairs: set) -> None:
+    """Add the words ``-norm`` could make of ``text`` and the pairs that could be adjacent."""
+    carry: set = set()  # tails of the previous tokens that may precede the next word
+    for token in text.split():
+        tok = _TOKENS.get(token)
+        if tok is None:
+            tok = _TOKENS[token] = _Token(token)
+        words |= tok.words
+        pairs |= tok.pairs
+        pairs.update((a, b) for a in carry for b in tok.heads)
+        carry = (carry | tok.tails) if not tok.has_word else set(tok.tails)
+
+
+def _write(idx: _Index, keep: np.ndarray, out: Path) -> None:
+    side = np.empty(2 * len(keep), dtype=np.int64)
+    side[0::2], side[1::2] = 2 * keep, 2 * keep + 1
+    lens = idx.lengths[side].astype(np.int64)
+    pos = np.repeat(idx.starts[side] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+    words = np.array(idx.vocab, dtype=object)[idx.ids[pos]]
+    ends = np.cumsum(lens) - 1
+    seps = np.full(len(words), " ", dtype=object)
+    seps[ends] = "\n"
+    pieces = np.empty(2 * len(words), dtype=object)
+    pieces[0::2], pieces[1::2] = words, seps
+    # the probability line goes before the first word of each entry
+    first = 2 * (np.cumsum(lens) - lens)[0::2]
+    probs = [idx.exact.get(int(e), repr(float(idx.probs[e]))) + "\n" for e in keep]
+    pieces[first] = np.array(probs, dtype=object) + pieces[first]
+    with gzip.open(out, "wt", encoding="utf-8", compresslevel=1) as fh:
+        fh.write("".join(pieces.tolist()))
+
+
+def _check_adjacency(idx: _Index, side_ok: np.ndarray, pairs: set) -> None:
+    """Clear ``side_ok`` for phrases with two consecutive words that cannot be adjacent."""
+    wid = idx.word_id
+    codes = [wid[a] * 65536 + wid[b] for a, b in pairs if a in wid and b in wid]
+    allowed = np.unique(np.array(codes, dtype=np.int64))
+    cand = np.flatnonzero(side_ok & (idx.lengths >= 2))
+    if len(cand) == 0:
+        return
+    npairs = idx.lengths[cand].astype(np.int64) - 1
+    first = np.cumsum(npairs) - npairs
+    pos = np.repeat(idx.starts[cand] - first, npairs) + np.arange(int(npairs.sum()))
+    left, right = idx.ids[pos], idx.ids[pos + 1]
+    code = left.astype(np.int64) * 65536 + right
+    at = np.minimum(np.searchsorted(allowed, code), max(len(allowed) - 1, 0))
+    ok = (allowed[at] == code) if len(allowed) else np.zeros(len(code), dtype=bool)
+    ok |= idx.always[left] | idx.always[right]
+    side_ok[cand] = np.logical_and.reduceat(ok, first)
+
+
+def subset_table(table: Path, texts: Iterable[str], out: Path) -> int | None:
+    """Write the entries of ``table`` that the texts could use to ``out`` (gzip).
+
+    Args:
+        table: METEOR's ``paraphrase-en.gz``.
+        texts: every hypothesis and reference METEOR will see.
+        out: where to write the subset.
+
+    Returns:
+        The number of entries written, or None when the full table must be used.
+    """
+    if os.environ.get("LORA_EVAL_FULL_PARAPHRASE"):
+        return None
+    idx = _index(str(table))
+    if idx is None:
+        return None
+    words: set = set()
+    pairs: set = set()
+    for text in texts:
+        _text_words(text, words, pairs)
+    known = np.fromiter((w in words for w in idx.vocab), dtype=bool, count=len(idx.vocab)) | idx.always
+    side_ok = np.logical_and.reduceat(known[idx.ids], idx.starts)
+    _check_adjacency(idx, side_ok, pairs)
+    keep = np.flatnonzero(side_ok[0::2] | side_ok[1::2])
+    if len(keep) == 0:
+        keep = np.array([0])  # METEOR needs a non-empty table; one unused entry
+    _write(idx, keep, out)
+    return len(keep)
