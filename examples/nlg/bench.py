@@ -1,0 +1,449 @@
+"""Speed and memory benchmark: our torch and jittor backends against HF ``transformers`` + ``peft``.
+
+Measures, for each model shape and system, training throughput (examples/s and real,
+non-pad tokens/s over batches of 8 E2E training examples, dynamic padding), peak RSS, and
+beam-search seconds per example on unique E2E test MRs (beam 10, 64 new tokens, no-repeat
+4-grams, length penalty 0.9, stop ids 50256 and 628). Every (shape, system, task) runs in
+its own subprocess, so a process's peak RSS (``ru_maxrss``) is that system's own; the
+systems are interleaved within each repeat (the order rotates per repeat) and the table
+reports medians over repeats. Command (the README's table)::
+
+    python -m examples.nlg.bench --data-dir ../shared/data --json bench.json
+    # quick: python -m examples.nlg.bench --data-dir ../shared/data --shapes tiny --steps 2 --repeats 1 --beam-examples 2
+
+Systems (same random weights, same examples in the same order, same thread count):
+- ``ours-torch`` / ``ours-jittor``: ``backends.{torch,jittor}``, LoRA r=4, alpha 32 on q and v.
+- ``hf-peft``: ``transformers.GPT2LMHeadModel`` (default attention implementation) with
+  ``peft`` LoRA r=4, alpha 32 on the whole ``c_attn`` (peft adapts q, k and v: it cannot
+  slice a fused projection), ``torch.optim.AdamW``, loss = cross-entropy over all logits
+  with labels -100 outside the completion, an attention mask for the right padding; beam
+  search with ``generate`` (left padding + attention mask, ``early_stopping=False``).
+All use the E2E recipe's label smoothing 0.1 and weight decay 0.01, no dropout. Tokens/s
+counts the same real tokens for every system (``collate``'s ``n_tokens``), so its ratios
+are those of examples/s. ``tiny`` is the ``tiny`` preset with GPT-2's vocabulary and 1024
+positions (E2E ids need them). Threads: ``torch.set_num_threads`` and ``OMP_NUM_THREADS``
+(jittor's kernels and oneDNN use OpenMP) are set to ``--threads`` in every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
+STOP_IDS = (50256, 628)
+BATCH, LR, LABEL_SMOOTH, WEIGHT_DECAY, SEED = 8, 2e-4, 0.1, 0.01, 0
+BEAM = dict(beam=10, length_penalty=0.9, no_repeat_ngram_size=4)  # + max 64 new tokens (paper)
+# (label, metric, numerator, denominator, "ge"/"le", bound, shapes it applies to; None = all)
+TARGETS = [
+    ("train tok/s  ours-torch / hf-peft", "train_tok_s", "ours-torch", "hf-peft", "ge", 1.5, ("gpt2",)),
+    ("train tok/s  ours-jittor / ours-torch", "train_tok_s", "ours-jittor", "ours-torch", "ge", 0.9, None),
+    ("peak RSS     ours-torch / hf-peft", "train_rss_mb", "ours-torch", "hf-peft", "le", 1.0, None),
+    ("peak RSS     ours-jittor / hf-peft", "train_rss_mb", "ours-jittor", "hf-peft", "le", 1.0, None),
+    ("beam s/ex    ours-torch / hf-peft", "beam_s_ex", "ours-torch", "hf-peft", "le", 0.5, None),
+    ("beam s/ex    ours-jittor / ours-torch", "beam_s_ex", "ours-jittor", "ours-torch", "le", 1.1, None),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def shape_config(name: str):
+    from lora_core import gpt2_config
+
+    return gpt2_config(name, vocab_size=50257, n_positions=1024) if name == "tiny" else gpt2_config(name)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def train_examples(data_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
+    """The first ``n`` E2E training examples in a seeded shuffled order (paper layout ids)."""
+    from lora_core.data import convert_e2e
+    from lora_core.tokenizer import encode_example, load_tokenizer
+
+    records = convert_e2e(data_dir / "e2e" / "train.txt")
+    order = np.random.default_rng(SEED).permutation(len(records))
+    tok = load_tokenizer(data_dir / "gpt2-vocab")
+    picked = [records[i] for i in np.resize(order, n)]  # wraps around if n > len(records)
+    return [encode_example(tok, r["context"], r["completion"]) for r in picked]
+
+
+def beam_contexts(data_dir: Path, k: int) -> list[list[int]]:
+    """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique E2E test MRs."""
+    from lora_core.data import convert_e2e, group_references
+    from lora_core.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data_dir / "gpt2-vocab")
+    groups = group_references(convert_e2e(data_dir / "e2e" / "test.txt"))[:k]
+    return [tok.encode(g.context) + [tok.eos_id] for g in groups]
+
+
+def gen_length(tokens) -> int:
+    """Generated tokens up to and including the first stop id."""
+    tokens = list(tokens)
+    for i, t in enumerate(tokens):
+        if t in STOP_IDS:
+            return i + 1
+    return len(tokens)
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+class Ours:
+    """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
+
+    def __init__(self, name: str, cfg, trainable: bool):
+        import lora_core
+        from lora_core.optim import AdamWConfig
+
+        self.be = lora_core.get_backend(name)
+        base = lora_core.init_gpt2_weights(cfg, SEED)
+        self.model = self.be.build_model(cfg, lora_core.LoRAConfig(r=4, alpha=32), base, trainable=trainable)
+        del base
+        if trainable:
+            self.opt = self.be.AdamW(self.be.trainable_parameters(self.model), AdamWConfig(weight_decay=WEIGHT_DECAY))
+
+    def prepare(self, pairs):
+        from lora_core.batching import collate
+
+        return collate(pairs)
+
+    def train_step(self, batch) -> float:
+        return self.be.train_step(self.model, self.opt, [batch], LR, LABEL_SMOOTH, 0.0)["loss"]
+
+    def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
+        from lora_core.beam import BeamConfig
+
+        cfg = BeamConfig(**BEAM, max_new_tokens=max_new_tokens, min_length=min(min_new_tokens, max_new_tokens),
+                         repetition_penalty=1.0, stop_ids=STOP_IDS)  # fmt: skip
+        return self.be.beam_search(self.model, contexts, cfg, batch_size=batch_size)
+
+
+class HFPeft:
+    """``transformers`` GPT-2 + ``peft`` LoRA, used the way their documentation shows."""
+
+    def __init__(self, cfg, trainable: bool):
+        import peft
+        import torch
+        import transformers
+
+        from lora_core import init_gpt2_weights
+        from lora_core.naming import TRANSPOSED
+
+        self.torch = torch
+        hf_cfg = transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+            n_head=cfg.n_head, layer_norm_epsilon=cfg.layer_norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(hf_cfg)
+        base = init_gpt2_weights(cfg, SEED)  # the same weights as ours; Conv1D stores (in, out)
+        state = {"transformer." + k: torch.from_numpy(v.T if k.endswith(TRANSPOSED) else v) for k, v in base.items()}
+        params = dict(model.named_parameters())
+        if set(params) != set(state):
+            raise RuntimeError(f"HF GPT-2 weights: names differ: {sorted(set(params) ^ set(state))}")
+        with torch.no_grad():  # in place, tensor by tensor (no second copy of the model)
+            for name in list(state):
+                params[name].copy_(state.pop(name))
+        del base
+        lcfg = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        self.model = peft.get_peft_model(model, lcfg)
+        if trainable:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def prepare(self, pairs):
+        torch = self.torch
+        T = max(len(c) + len(t) for c, t in pairs)
+        ids = torch.full((len(pairs), T), 50256, dtype=torch.long)
+        mask = torch.zeros((len(pairs), T), dtype=torch.long)
+        labels = torch.full((len(pairs), T), -100, dtype=torch.long)
+        for b, (c, t) in enumerate(pairs):
+            n = len(c) + len(t)
+            ids[b, :n], mask[b, :n] = torch.tensor(c + t), 1
+            labels[b, len(c) : n] = torch.tensor(t)
+        return ids, mask, labels
+
+    def train_step(self, batch) -> float:
+        import torch.nn.functional as F
+
+        ids, mask, labels = batch
+        self.model.train()
+        logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                               label_smoothing=LABEL_SMOOTH)  # fmt: skip
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
+        from lora_core.beam import left_pad
+
+        torch = self.torch
+        self.model.eval()
+        out = []
+        for s in range(0, len(contexts), batch_size):
+            ids, mask = left_pad(contexts[s : s + batch_size], pad_id=50256)
+            with torch.no_grad():
+                seq = self.model.generate(
+                    input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                    num_beams=BEAM["beam"], max_new_tokens=max_new_tokens, min_new_tokens=min(min_new_tokens, max_new_tokens),
+                    length_penalty=BEAM["length_penalty"],
+                    no_repeat_ngram_size=BEAM["no_repeat_ngram_size"], repetition_penalty=1.0,
+                    early_stopping=False, eos_token_id=list(STOP_IDS), pad_token_id=50256)  # fmt: skip
+            out.extend(row[ids.shape[1] :].tolist() for row in seq)
+        return out
+
+
+def make_system(name: str, cfg, trainable: bool):
+    return HFPeft(cfg, trainable) if name == "hf-peft" else Ours(name.removeprefix("ours-"), cfg, trainable)
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux ``clear_refs`` 5), so a later read covers one phase."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    """Peak RSS since start or the last reset (``VmHWM``), else ``ru_maxrss``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_train(spec: dict) -> dict:
+    data_dir, steps, warmup = Path(spec["data_dir"]), spec["steps"], spec["warmup"]
+    pairs = train_examples(data_dir, BATCH * (warmup + steps))
+    system = make_system(spec["system"], shape_config(spec["shape"]), trainable=True)
+    batches = [pairs[i : i + BATCH] for i in range(0, len(pairs), BATCH)]
+    prepared = [system.prepare(b) for b in batches]
+    gc.collect()
+    times, losses, before = [], [], 0.0
+    for i, batch in enumerate(prepared):
+        if i == warmup:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # build + warm-up
+            _reset_peak_rss()
+        t0 = time.perf_counter()
+        losses.append(system.train_step(batch))
+        times.append(time.perf_counter() - t0)
+        log(f"{spec['shape']} {spec['system']} train step {i + 1}/{len(prepared)}: {times[-1]:.3f} s")
+    timed = sum(times[warmup:])
+    n_tokens = sum(sum(len(c) + len(t) - 1 for c, t in b) for b in batches[warmup:])
+    return {"train_ex_s": BATCH * steps / timed, "train_tok_s": n_tokens / timed, "step_s": times,
+            "seq_len": [max(len(c) + len(t) - 1 for c, t in b) for b in batches], "loss": losses,
+            "train_rss_mb": max(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "train_phase_rss_mb": _peak_rss_mb(), "build_warmup_rss_mb": before}  # fmt: skip
+
+
+def run_beam(spec: dict) -> dict:
+    contexts = beam_contexts(Path(spec["data_dir"]), spec["beam_examples"])
+    system = make_system(spec["system"], shape_config(spec["shape"]), trainable=False)
+    bs = spec["beam_batch"]
+    t0 = time.perf_counter()
+    system.beam(contexts[:bs], bs, 4, 4)  # warm-up (kernels, caches), excluded
+    warm = time.perf_counter() - t0
+    log(f"{spec['shape']} {spec['system']} beam warm-up {warm:.2f} s")
+    t0 = time.perf_counter()
+    outs = system.beam(contexts, bs, 64, spec["beam_min_new"])
+    elapsed = time.perf_counter() - t0
+    lengths = [gen_length(o) for o in outs]
+    log(f"{spec['shape']} {spec['system']} beam {len(contexts)} examples: {elapsed:.2f} s")
+    return {"beam_s_ex": elapsed / len(contexts), "beam_batch": bs, "beam_warmup_s": warm,
+            "gen_len": float(np.mean(lengths)), "gen_lengths": lengths,
+            "beam_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+
+
+def run_worker(spec: dict) -> dict:
+    if spec["system"] != "ours-jittor":
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    fn = run_train if spec["task"] == "train" else run_beam
+    out = fn(spec)
+    out["loadavg_end"] = os.getloadavg()[0]
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def spawn(spec: dict) -> dict:
+    """Run one worker in a fresh interpreter; returns its result or ``{"error": ...}``."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, "-m", "examples.nlg.bench", "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"error": f"worker exited with {proc.returncode}", "wall_s": time.perf_counter() - t0}
+    out = json.loads(lines[-1])
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def run_all(args) -> dict:
+    """Every (shape, repeat, system, task) in its own process; systems rotate per repeat."""
+    raw = {}
+    for shape in args.shapes:
+        raw[shape] = {s: [] for s in args.systems}
+        for rep in range(args.repeats):
+            order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
+            for system in order:
+                result = {"loadavg_start": os.getloadavg()[0]}
+                for task in ("train", "beam"):
+                    spec = {"task": task, "system": system, "shape": shape, "data_dir": str(args.data_dir),
+                            "steps": args.steps, "warmup": args.warmup, "beam_examples": args.beam_examples,
+                            "beam_batch": args.beam_batch[system], "beam_min_new": args.beam_min_new,
+                            "threads": args.threads}  # fmt: skip
+                    log(f"{shape} repeat {rep + 1}/{args.repeats} {system} {task}")
+                    out = spawn(spec)
+                    result.update({f"{task}_{k}" if k in ("error", "wall_s", "loadavg_end") else k: v
+                                   for k, v in out.items()})  # fmt: skip
+                raw[shape][system].append(result)
+    return raw
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = ("train_ex_s", "train_tok_s", "train_rss_mb", "train_phase_rss_mb", "beam_s_ex", "gen_len", "beam_rss_mb")
+    return {k: statistics.median(r[k] for r in runs if k in r) if any(k in r for r in runs) else None for k in keys}
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summarise(raw: dict, args) -> tuple[str, dict]:
+    """The table (medians over repeats, target ratios) and its numbers."""
+    lines, summary = [], {}
+    for shape, by_system in raw.items():
+        cfg = shape_config(shape)
+        med = {s: medians(runs) for s, runs in by_system.items()}
+        summary[shape] = {"medians": med, "targets": []}
+        lines += [f"\nshape {shape} (n_embd {cfg.n_embd}, n_layer {cfg.n_layer}, vocab {cfg.vocab_size}); "
+                  f"batch {BATCH}, {args.steps} timed steps after {args.warmup} warm-up, {args.repeats} repeat(s), "
+                  f"{args.threads} thread(s); beam {args.beam_examples} MRs",  # fmt: skip
+                  f"{'system':12s} {'train ex/s':>10s} {'tok/s':>8s} {'peak RSS MB':>11s} {'train-phase':>11s} "
+                  f"{'beam s/ex':>9s} {'beam bs':>7s} {'gen len':>7s} {'beam RSS MB':>11s}  errors"]  # fmt: skip
+        for s, m in med.items():
+            errors = sorted({r[k] for r in by_system[s] for k in ("train_error", "beam_error") if k in r})
+            lines.append(f"{s:12s} {_fmt(m['train_ex_s']):>10s} {_fmt(m['train_tok_s'], '.1f'):>8s} "
+                         f"{_fmt(m['train_rss_mb'], '.0f'):>11s} {_fmt(m['train_phase_rss_mb'], '.0f'):>11s} "
+                         f"{_fmt(m['beam_s_ex'], '.3f'):>9s} {args.beam_batch[s]:>7d} {_fmt(m['gen_len'], '.1f'):>7s} "
+                         f"{_fmt(m['beam_rss_mb'], '.0f'):>11s}  {'; '.join(errors)}")  # fmt: skip
+        loads = [r[k] for runs in by_system.values() for r in runs
+                 for k in ("loadavg_start", "train_loadavg_end", "beam_loadavg_end") if k in r]  # fmt: skip
+        lines.append(f"(1-min load average of the machine around the runs: median {statistics.median(loads):.1f}, "
+                     f"range {min(loads):.1f}-{max(loads):.1f}, on {os.cpu_count()} CPUs)")  # fmt: skip
+        lines.append(f"{'target':40s} {'ratio':>7s} {'bound':>8s}  result")
+        for label, key, num, den, op, bound, shapes in TARGETS:
+            if num not in med or den not in med:
+                continue
+            a, b = med[num][key], med[den][key]
+            ratio = a / b if a is not None and b else None
+            if ratio is None:
+                verdict = "n/a"
+            elif shapes is not None and shape not in shapes:
+                verdict = "info (target is for " + ",".join(shapes) + ")"
+            else:
+                verdict = "PASS" if (ratio >= bound if op == "ge" else ratio <= bound) else "FAIL"
+            lines.append(
+                f"{label:40s} {_fmt(ratio, '.3f'):>7s} {('>= ' if op == 'ge' else '<= ') + str(bound):>8s}  {verdict}"
+            )
+            summary[shape]["targets"].append({"target": label, "ratio": ratio, "op": op, "bound": bound,
+                                              "result": verdict})  # fmt: skip
+    return "\n".join(lines), summary
+
+
+def _beam_batch(text: str, systems: list[str]) -> dict[str, int]:
+    """``8`` (every system) or ``ours-torch=8,ours-jittor=4,hf-peft=8`` (others default to 8)."""
+    if "=" not in text:
+        return {s: int(text) for s in systems}
+    out = {s: 8 for s in systems}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in SYSTEMS:
+            raise argparse.ArgumentTypeError(f"--beam-batch: unknown system {name!r}; choose from {SYSTEMS}")
+        out[name] = int(value)
+    return out
+
+
+def _names(text: str, valid: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{flag}: unknown {bad or names}; choose from {valid}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        print(json.dumps(run_worker(json.loads(argv[1]))))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
+    p.add_argument("--shapes", default="gpt2,tiny", help="comma-separated: gpt2, tiny (default both)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system (medians reported)")
+    p.add_argument("--beam-examples", type=int, default=16, help="unique E2E test MRs to beam-decode")
+    p.add_argument("--beam-batch", default="8", help="inputs per beam batch: N, or SYSTEM=N,... (default 8)")
+    p.add_argument("--beam-min-new", type=int, default=64,
+                   help="eos banned before this many new tokens (default 64: every output runs the full 64 "
+                        "tokens; 0 = the paper's setting, see the module docstring)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=2, help="threads for every system (torch and OpenMP)")
+    p.add_argument("--json", type=Path, default=None, help="write every raw number here")
+    args = p.parse_args(argv)
+    try:
+        args.shapes = _names(args.shapes, ("gpt2", "tiny"), "--shapes")
+        args.systems = _names(args.systems, SYSTEMS, "--systems")
+        args.beam_batch = _beam_batch(args.beam_batch, args.systems)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        p.error(str(e))
+    if min(args.steps, args.repeats, args.beam_examples, args.threads) < 1 or args.warmup < 0:
+        p.error("--steps, --repeats, --beam-examples and --threads must be >= 1, --warmup >= 0")
+    args.data_dir = args.data_dir.resolve()
+    for need in ("e2e/train.txt", "e2e/test.txt", "gpt2-vocab"):
+        if not (args.data_dir / need).exists():
+            p.error(f"--data-dir {args.data_dir}: {need} is missing")
+    t0 = time.perf_counter()
+    raw = run_all(args)
+    table, summary = summarise(raw, args)
+    print(table.lstrip("\n"))
+    print(f"\n(total {time.perf_counter() - t0:.0f} s; command: python -m examples.nlg.bench {' '.join(argv)})")
+    if args.json:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({"settings": settings, "raw": raw, "summary": summary}, indent=1))
+    errors = any(k.endswith("_error") for by in raw.values() for runs in by.values() for r in runs for k in r)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
