@@ -142,6 +142,8 @@ PRESETS: dict[str, GPT2Config] = {
     "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
     "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20),
     "tiny": GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+    # the embedded demo's base (examples/nlg/demo.py); vocab_size follows its tokenizer
+    "demo": GPT2Config(vocab_size=512, n_positions=256, n_embd=128, n_layer=3, n_head=4),
     "tiny-32": GPT2Config(vocab_size=500, n_positions=64, n_embd=32, n_layer=2, n_head=2),
 }
 

@@ -204,11 +204,11 @@ RECIPES: dict[str, Recipe] = {
 RECIPES["toy"] = Recipe(
     "toy",
     "toy",
-    "tiny",
+    "demo",
     TrainConfig(
         epochs=2,
         lr=2e-3,
-        warmup=50,
+        warmup=30,
         weight_decay=0.01,
         label_smooth=0.0,
         lora_dropout=0.1,
@@ -217,6 +217,7 @@ RECIPES["toy"] = Recipe(
         eval_batch_size=16,
         save_every=100,
         log_every=1,
+        dropout_masks="numpy",  # parity mode: both backends apply the same LoRA dropout masks
     ),
     BeamConfig(**_BEAM, length_penalty=0.9),
 )
