@@ -52,7 +52,7 @@ def _counts(seq: Sequence, order: int, as_str: bool) -> list[Counter]:
         if as_str:
             out.append(Counter(seq[i : i + n] for i in range(len(seq) - n + 1)))
         else:
-            out.append(Counter(tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)))
+            out.append(Counter(zip(*(seq[i:] for i in range(n)))))
     return out
 
 

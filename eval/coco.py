@@ -16,6 +16,7 @@ Inputs are PTB-tokenised strings (see :func:`eval.java.ptb_tokenize`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -70,9 +71,8 @@ def rouge_l(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
 def _precook(text: str) -> Counter:
     words = text.split()
     counts: Counter = Counter()
-    for k in range(1, 5):
-        for i in range(len(words) - k + 1):
-            counts[tuple(words[i : i + k])] += 1
+    for k in range(1, min(4, len(words)) + 1):
+        counts.update(zip(*(words[i:] for i in range(k))))
     return counts
 
 
@@ -83,27 +83,30 @@ def _vec(counts: Counter, df: dict, ref_len: float) -> tuple[list[dict], list[fl
     length = 0
     for gram, tf in counts.items():
         n = len(gram) - 1
-        w = float(tf) * (ref_len - np.log(max(1.0, df.get(gram, 0.0))))
+        w = float(tf) * (ref_len - df.get(gram, 0.0))  # df holds log(max(1, document frequency))
         vec[n][gram] = w
-        norm[n] += pow(w, 2)
+        norm[n] += w * w
         if n == 1:
             length += tf
-    return vec, [np.sqrt(x) for x in norm], length
+    return vec, [math.sqrt(x) for x in norm], length
 
 
-def _sim(hyp: tuple, ref: tuple) -> np.ndarray:
+def _sim(hyp: tuple, ref: tuple) -> list[float]:
     """coco ``sim``: clipped cosine per order times the Gaussian length penalty."""
     vec_h, norm_h, len_h = hyp
     vec_r, norm_r, len_r = ref
     delta = float(len_h - len_r)
-    val = np.array([0.0, 0.0, 0.0, 0.0])
+    penalty = math.e ** (-(delta**2) / (2 * _SIGMA**2))
+    val = [0.0, 0.0, 0.0, 0.0]
     for n in range(4):
+        vr_n = vec_r[n]
+        acc = 0.0
         for gram, wh in vec_h[n].items():
-            wr = vec_r[n].get(gram, 0.0)
-            val[n] += min(wh, wr) * wr
+            wr = vr_n.get(gram, 0.0)
+            acc += min(wh, wr) * wr
         if norm_h[n] != 0 and norm_r[n] != 0:
-            val[n] /= norm_h[n] * norm_r[n]
-        val[n] *= np.e ** (-(delta**2) / (2 * _SIGMA**2))
+            acc /= norm_h[n] * norm_r[n]
+        val[n] = acc * penalty
     return val
 
 
@@ -117,16 +120,17 @@ def cider_d(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
     if not hyps:
         return 0.0, []
     crefs = [[_precook(r) for r in rs] for rs in refs]
-    df: dict = {}
+    counts: dict = {}
     for rs in crefs:
         for gram in {g for c in rs for g in c}:
-            df[gram] = df.get(gram, 0.0) + 1
-    ref_len = np.log(float(len(crefs)))
+            counts[gram] = counts.get(gram, 0) + 1
+    log_df = {g: math.log(max(1.0, float(c))) for g, c in counts.items()}
+    ref_len = math.log(float(len(crefs)))
     scores = []
     for hyp, rs in zip(hyps, crefs):
-        vh = _vec(_precook(hyp), df, ref_len)
-        score = np.array([0.0, 0.0, 0.0, 0.0])
+        vh = _vec(_precook(hyp), log_df, ref_len)
+        score = [0.0, 0.0, 0.0, 0.0]
         for rc in rs:
-            score += _sim(vh, _vec(rc, df, ref_len))
-        scores.append(float(np.mean(score) / len(rs) * 10.0))
+            score = [a + b for a, b in zip(score, _sim(vh, _vec(rc, log_df, ref_len)))]
+        scores.append(sum(score) / 4 / len(rs) * 10.0)
     return float(np.mean(np.array(scores))), scores

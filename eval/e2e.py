@@ -17,7 +17,7 @@ from .coco import cider_d, rouge_l
 from .common import check_instances, per_instance_rows, select_metrics
 from .inputs import EvalInputError, count_mismatch, preview, read_e2e_references, read_lines
 from .java import coco_score_line, ptb_tokenize, require_java
-from .meteor import meteor_stdio
+from .meteor import MeteorRun
 from .mteval import mteval_e2e
 
 __all__ = ["E2E_METRICS", "score_e2e", "score_e2e_lists"]
@@ -45,6 +45,26 @@ def _split_tokens(tok: list[str], refs: Sequence[Sequence[str]]) -> tuple[list[l
         ref_tok.append(tok[pos : pos + len(rs)])
         pos += len(rs)
     return ref_tok, tok[pos:]
+
+
+def _coco_metrics(java: str, tokens: list[str], hyps, refs, wanted) -> dict:
+    """METEOR (JVM in the background), ROUGE-L and CIDEr-D of PTB-tokenised texts."""
+    ref_tok, hyp_tok = _split_tokens(tokens, refs)
+    out = {}
+    met = None
+    try:
+        if "METEOR" in wanted:
+            met = MeteorRun(java, [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok)])
+        if "ROUGE_L" in wanted:
+            out["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
+        if "CIDEr" in wanted:
+            out["CIDEr"] = cider_d(hyp_tok, ref_tok)
+        if met is not None:
+            out["METEOR"] = met.result()
+    finally:
+        if met is not None:
+            met.close()
+    return out
 
 
 def score_e2e_lists(
@@ -80,21 +100,11 @@ def score_e2e_lists(
     with ThreadPoolExecutor(max_workers=1) as pool:
         flat = [r for rs in refs for r in rs]
         ptb = pool.submit(ptb_tokenize, java, flat + hyps) if java else None
-        if "BLEU" in wanted or "NIST" in wanted:
+        if "BLEU" in wanted or "NIST" in wanted:  # while the PTB tokenizer runs
             mt = mteval_e2e(hyps, refs)
             found["BLEU"], found["NIST"] = (mt.bleu, mt.seg_bleu), (mt.nist, mt.seg_nist)
-        if ptb is not None:
-            ref_tok, hyp_tok = _split_tokens(ptb.result(), refs)
-            met = None
-            if "METEOR" in wanted:
-                lines = [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
-                met = pool.submit(meteor_stdio, java, lines)
-            if "ROUGE_L" in wanted:
-                found["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
-            if "CIDEr" in wanted:
-                found["CIDEr"] = cider_d(hyp_tok, ref_tok)
-            if met is not None:
-                found["METEOR"] = met.result()
+    if java:
+        found.update(_coco_metrics(java, ptb.result(), hyps, refs, wanted))
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})

@@ -87,7 +87,7 @@ def ptb_tokenize(java: str, texts: Sequence[str]) -> list[str]:
     """
     if not texts:
         return []
-    cmd = [java, *JAVA_OPTS, "-cp", str(_ptb_jar()), "edu.stanford.nlp.process.PTBTokenizer",
+    cmd = [java, *JAVA_OPTS, "-XX:TieredStopAtLevel=1", "-cp", str(_ptb_jar()), "edu.stanford.nlp.process.PTBTokenizer",
            "-preserveLines", "-lowerCase"]
     data = "\n".join(t.replace("\n", " ") for t in texts).encode("utf-8")
     proc = subprocess.run(cmd, input=data, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)

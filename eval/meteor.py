@@ -8,9 +8,11 @@ equal on the WebNLG example).
 
 Speed, with the same numbers: METEOR's start is dominated by loading its
 paraphrase table, so it is given the subset of the table that the texts can use
-(:mod:`eval.paraphrase`), and segments are scored by two JVMs in parallel (the
-statistics of a segment do not depend on the others); the ``EVAL`` line then
-goes to one of them. Without the paraphrase cache, one JVM loads the full table.
+(:mod:`eval.paraphrase`) and runs with the C1 JIT only. Segments can be scored
+by several JVMs in parallel (``LORA_EVAL_METEOR_JVMS``; the statistics of a
+segment do not depend on the others, and the ``EVAL`` line goes to one of
+them); on 2 cores one is faster. Without the paraphrase cache, one JVM loads
+the full table.
 Texts containing ``|||`` (the field separator) are scored in file mode, as
 WebNLG's GenerationEval runs METEOR.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 from .java import JAVA_OPTS, meteor_jar
 from .paraphrase import subset_table
 
-__all__ = ["MeteorProcess", "meteor_stdio", "meteor_files"]
+__all__ = ["MeteorProcess", "MeteorRun", "meteor_stdio", "meteor_files"]
 
 
 class MeteorProcess:
@@ -40,7 +42,10 @@ class MeteorProcess:
     """
 
     def __init__(self, java: str, table: Path | None = None):
-        cmd = [java, *JAVA_OPTS, "-Xmx2G", "-jar", str(meteor_jar()), "-", "-", "-stdio", "-l", "en", "-norm"]
+        # With the small subset table the run is short: the C1 compiler alone is faster
+        # (C2 compile threads cost more than they save); the full table loads faster with C2.
+        jit = ["-XX:TieredStopAtLevel=1"] if table is not None else []
+        cmd = [java, *JAVA_OPTS, *jit, "-Xmx2G", "-jar", str(meteor_jar()), "-", "-", "-stdio", "-l", "en", "-norm"]
         if table is not None:
             cmd += ["-a", str(table)]
         self._stderr = tempfile.TemporaryFile()
@@ -96,35 +101,59 @@ class MeteorProcess:
         self._stderr.close()
 
 
-def _workers(n_lines: int) -> int:
+def _workers() -> int:
     env = os.environ.get("LORA_EVAL_METEOR_JVMS")
-    if env:
-        return max(1, int(env))
-    return 2 if (os.cpu_count() or 1) >= 2 and n_lines >= 200 else 1
+    return max(1, int(env)) if env else 1  # more only pays off with free cores
 
 
-def meteor_stdio(java: str, score_lines: Sequence[str]) -> tuple[float, list[float]]:
-    """Corpus and segment METEOR of ``SCORE`` lines.
+def _reference_texts(score_lines: Sequence[str]) -> list[str]:
+    """The references of ``SCORE ||| ref ||| ... ||| hyp`` lines (METEOR's own
+    ``FilterParaphrase`` selects entries by the references only)."""
+    return [" ".join(line.split(" ||| ")[1:-1]) for line in score_lines]
+
+
+class MeteorRun:
+    """Corpus and segment METEOR of ``SCORE`` lines, started now, collected by :meth:`result`.
+
+    The paraphrase subset is made in the calling thread; the JVMs then load and score
+    in the background while the caller computes other metrics.
 
     Args:
         java: java executable.
-        score_lines: one ``SCORE ||| ref ||| ... ||| hyp`` line per segment (their
-            words also select the paraphrase subset).
+        score_lines: one ``SCORE ||| ref ||| ... ||| hyp`` line per segment.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        table = Path(tmp, "paraphrase-subset.gz")
-        table = table if subset_table(meteor_jar().parent / "data" / "paraphrase-en.gz", score_lines, table) else None
-        n = _workers(len(score_lines)) if table is not None else 1
-        procs = [MeteorProcess(java, table) for _ in range(n)]
+
+    def __init__(self, java: str, score_lines: Sequence[str]):
+        self._tmp = tempfile.TemporaryDirectory()
+        table = Path(self._tmp.name, "paraphrase-subset.gz")
+        data = meteor_jar().parent / "data" / "paraphrase-en.gz"
+        table = table if subset_table(data, _reference_texts(score_lines), table) else None
+        n = _workers() if table is not None else 1
+        self._procs = [MeteorProcess(java, table) for _ in range(n)]
+        size = -(-len(score_lines) // n)
+        parts = [score_lines[i * size : (i + 1) * size] for i in range(n)]
+        self._pool = ThreadPoolExecutor(max_workers=n)
+        self._futures = [self._pool.submit(p.stats, part) for p, part in zip(self._procs, parts)]
+
+    def result(self) -> tuple[float, list[float]]:
+        """``(corpus_score, segment_scores)``; stops the JVMs."""
         try:
-            size = -(-len(score_lines) // n)
-            parts = [score_lines[i * size : (i + 1) * size] for i in range(n)]
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                stats = [s for part in pool.map(lambda pp: pp[0].stats(pp[1]), zip(procs, parts)) for s in part]
-            return procs[0].evaluate(stats)
+            stats = [s for f in self._futures for s in f.result()]
+            return self._procs[0].evaluate(stats)
         finally:
-            for p in procs:
-                p.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the JVMs and remove the subset table (idempotent)."""
+        for p in self._procs:
+            p.close()
+        self._pool.shutdown(wait=True)
+        self._tmp.cleanup()
+
+
+def meteor_stdio(java: str, score_lines: Sequence[str]) -> tuple[float, list[float]]:
+    """Corpus and segment METEOR of ``SCORE`` lines (see :class:`MeteorRun`)."""
+    return MeteorRun(java, score_lines).result()
 
 
 def meteor_files(java: str, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, list[float]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from functools import lru_cache
 from collections.abc import Sequence
 
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
@@ -51,7 +52,8 @@ def tokenize_e2e(text: str) -> list[str]:
     return _TOK13A(text.translate(_ASCII_LOWER)).split()
 
 
-def tokenize_bytes_mode(text: str) -> list[str]:
+@lru_cache(maxsize=2**16)
+def tokenize_bytes_mode(text: str) -> tuple[str, ...]:
     """mteval-13a tokens, case kept, with Perl byte-mode whitespace (ASCII only)."""
     text = text.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
     if "&" in text:
@@ -59,14 +61,14 @@ def tokenize_bytes_mode(text: str) -> list[str]:
     text = f" {text} "
     for pattern, repl in _RULES_13A:
         text = pattern.sub(repl, text)
-    return [w for w in _ASCII_WS.split(text) if w]
+    return tuple(w for w in _ASCII_WS.split(text) if w)
 
 
 def _ngrams(words: Sequence[str], max_n: int) -> Counter:
+    """Counts of all n-grams (as word tuples) for n = 1..max_n."""
     counts: Counter = Counter()
-    for n in range(1, max_n + 1):
-        for i in range(len(words) - n + 1):
-            counts[tuple(words[i : i + n])] += 1
+    for n in range(1, min(max_n, len(words)) + 1):
+        counts.update(zip(*(words[i:] for i in range(n))))
     return counts
 
 
@@ -87,14 +89,12 @@ def _closest(current: int, ref_len: int, tst_len: int) -> int:
     return current
 
 
-def _ngram_info(ref_tokens: Sequence[Sequence[Sequence[str]]]) -> dict:
+def _ngram_info(ref_counts: Sequence[Sequence[Counter]], total_words: int) -> dict:
     """NIST information weight of every reference n-gram (n <= 5) of the corpus."""
     counts: Counter = Counter()
-    total_words = 0
-    for refs in ref_tokens:
-        for words in refs:
-            total_words += len(words)
-            counts.update(_ngrams(words, 5))
+    for refs in ref_counts:
+        for c in refs:
+            counts.update(c)
     info = {}
     for gram, c in counts.items():
         prefix = gram[:-1]
@@ -135,19 +135,21 @@ def _nist(nsys: float, tst: Sequence[float], ref1: float, info: Sequence[float])
     return score * math.exp(-_NIST_BETA * math.log(ratio) ** 2)
 
 
-def _score_segment(hyp: list[str], refs: list[list[str]], info: dict) -> tuple:
+def _score_segment(hyp: list[str], refs: list[list[str]], ref_counts: list[Counter], info: dict) -> tuple:
     """mteval ``score_segment``: (ref_length, nrefs, match, tst, ref_count1, tst_info)."""
     tst_counts = _ngrams(hyp, 5)
     tst = [0] + [max(0, len(hyp) - n + 1) for n in range(1, 6)]
     ref_max: dict = {}
     ref1, nrefs, ref_length = 0, 0, None
-    for words in refs:
-        nrefs += bool(words)
-        for gram, c in _ngrams(words, 5).items():
+    for words, counts in zip(refs, ref_counts):
+        ref_length = len(words) if ref_length is None else _closest(ref_length, len(words), len(hyp))
+        if not words:
+            continue
+        nrefs += 1
+        ref1 += len(words)
+        for gram, c in counts.items():
             if c > ref_max.get(gram, 0):
                 ref_max[gram] = c
-        ref1 += len(words)
-        ref_length = len(words) if ref_length is None else _closest(ref_length, len(words), len(hyp))
     match, tst_info = [0] * 6, [0.0] * 6
     for gram, c in tst_counts.items():
         if gram in ref_max:
@@ -168,17 +170,18 @@ def mteval_e2e(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> MtevalResu
         :class:`MtevalResult` with BLEU (0-1), NIST and mteval's segment scores.
     """
     hyp_tok = [tokenize_e2e(h) for h in hyps]
-    max_refs = max((len(r) for r in refs), default=1)
-    # measure_scores pads missing references with '' into systems ref_0, ref_1, ...
-    # that mteval visits in sorted (string) order: ref_0, ref_1, ref_10, ..., ref_2.
-    order = sorted(range(max_refs), key=str) if max_refs > 1 else [0]
-    ref_tok = [[tokenize_e2e(r[k]) if k < len(r) else [] for k in order] for r in refs]
-    info = _ngram_info(ref_tok)
+    # measure_scores pads missing references with '' into systems ref_0, ref_1, ... that
+    # mteval visits in string order (ref_0, ref_1, ref_10, ..., ref_2): ref_0 always comes
+    # first, and the order of the others does not matter (closest length, ties to the
+    # shorter; empty references skipped after the first), so the padding is left out.
+    ref_tok = [[tokenize_e2e(r) for r in rs] for rs in refs]
+    ref_counts = [[_ngrams(w, 5) for w in rs] for rs in ref_tok]
+    info = _ngram_info(ref_counts, sum(len(w) for rs in ref_tok for w in rs))
     cum_len, cum_nrefs, cum_ref1 = 0, 0, 0
     cum_match, cum_tst, cum_info = [0] * 6, [0] * 6, [0.0] * 6
     seg_bleu, seg_nist = [], []
-    for hyp, rs in zip(hyp_tok, ref_tok):
-        ref_length, nrefs, match, tst, ref1, tst_info = _score_segment(hyp, rs, info)
+    for hyp, rs, rc in zip(hyp_tok, ref_tok, ref_counts):
+        ref_length, nrefs, match, tst, ref1, tst_info = _score_segment(hyp, rs, rc, info)
         seg_bleu.append(_bleu_smoothed(ref_length, match, tst))
         seg_nist.append(_nist(nrefs, tst, ref1, tst_info))
         cum_len, cum_nrefs, cum_ref1 = cum_len + ref_length, cum_nrefs + nrefs, cum_ref1 + ref1

@@ -7,16 +7,18 @@ and documents that scores do not change (a paraphrase can only match where its
 phrases occur). We keep a superset of what it keeps, without reading the whole
 table on every run:
 
-- once, the table is indexed into a cache file (``$LORA_EVAL_CACHE`` or
-  ``~/.cache/lora-eval``): token ids of both phrases of every entry, their
-  lengths and the probabilities; about 20-60 s, then reused;
+- once, the table is indexed into a cache folder (``$LORA_EVAL_CACHE`` or
+  ``~/.cache/lora-eval``, about 420 MB): the decompressed table, the byte offset
+  of every entry and the word ids of both its phrases; about 20-60 s, then reused;
 - per run, ``V`` = for every lower-cased input token (and its form after
   METEOR's quote and dash normalisation), its single characters and every run of
   consecutive pieces, a piece being a maximal run of the normaliser's word
   characters or one other character: the normaliser (``-norm``) only splits
   tokens between such pieces and rewrites those characters, so every word it
   produces is in ``V``; an entry is kept if all words of either phrase are in
-  ``V``, in table order, with its probability written back to the same double.
+  ``V`` and, for phrases of several words, every two consecutive words could be
+  adjacent in the normalised text; kept entries are copied byte for byte, in
+  table order.
 
 :func:`subset_table` returns None (use the full table) if the cache cannot be
 built or written; set ``LORA_EVAL_FULL_PARAPHRASE=1`` to always use the full table.
@@ -25,9 +27,10 @@ built or written; set ``LORA_EVAL_FULL_PARAPHRASE=1`` to always use the full tab
 from __future__ import annotations
 
 import gzip
-import json
+import mmap
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -36,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["subset_table", "build_index", "index_path"]
+__all__ = ["subset_table", "build_index", "ensure_index", "index_path"]
 
-_VERSION = 1
+_VERSION = 2
 _QUOTES = str.maketrans({"`": "'", "‘": "'", "’": "'", "“": '"', "”": '"', "–": "-"})
 # METEOR Normalizer's ``alnum`` class (edu.cmu.meteor.util.Normalizer)
 _WORD_CHARS = "0-9A-Za-zŠŽšžŸÀ-ÖØ-öø-žЀ-ӿԀ-ԧꙀ-ꙮ꙾-ꚗᴀ-ᵿ"
@@ -48,50 +51,66 @@ _TOKENS: dict = {}  # token -> _Token, shared across runs of one process
 
 
 def index_path(table: Path) -> Path:
-    """Cache file for ``table`` (keyed by its size and modification time)."""
+    """Cache folder for ``table`` (keyed by its size and modification time)."""
     root = Path(os.environ.get("LORA_EVAL_CACHE") or Path.home() / ".cache" / "lora-eval")
     st = table.stat()
-    return root / f"paraphrase-en.v{_VERSION}.{st.st_size}.{st.st_mtime_ns}.npz"
+    return root / f"paraphrase-en.v{_VERSION}.{st.st_size}.{st.st_mtime_ns}"
 
 
 def build_index(table: Path, out: Path) -> None:
-    """Index the gzipped METEOR paraphrase table (``prob / phrase1 / phrase2`` lines)."""
-    lines = gzip.decompress(table.read_bytes()).decode("utf-8").split("\n")
+    """Index the gzipped METEOR paraphrase table (``prob / phrase1 / phrase2`` lines) into ``out``.
+
+    Files: ``table.txt`` (the table, decompressed), ``entry_off.npy`` (byte offset of
+    every entry, plus the end), ``ids.npy`` (word ids of all phrases, phrase 1 and 2
+    of each entry in turn), ``side_len.npy`` / ``side_start.npy`` (their word
+    counts and first positions in ``ids``) and ``vocab.txt``.
+    """
+    raw = gzip.decompress(table.read_bytes())
+    lines = raw.decode("utf-8").split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     if len(lines) % 3:
         raise ValueError(f"{table}: {len(lines)} lines, not a multiple of 3")
-    prob_text = lines[0::3]
-    sides = [s for pair in zip(lines[1::3], lines[2::3]) for s in pair]
+    line_bytes = np.fromiter((len(x.encode("utf-8")) + 1 for x in lines), dtype=np.int64, count=len(lines))
+    entry_off = np.concatenate(([0], np.cumsum(line_bytes.reshape(-1, 3).sum(axis=1))))
+    sides = [x for pair in zip(lines[1::3], lines[2::3]) for x in pair]
     del lines
-    probs = np.array(prob_text, dtype=np.float64)
-    exact = {i: s for i, s in enumerate(prob_text) if repr(float(s)) != s}
-    lengths = np.fromiter((s.count(" ") + 1 for s in sides), dtype=np.uint8, count=len(sides))
-    vocab: dict[str, int] = {}
+    side_len = np.fromiter((x.count(" ") + 1 for x in sides), dtype=np.uint8, count=len(sides))
     tokens = " ".join(sides).split(" ")
-    if len(tokens) != int(lengths.sum(dtype=np.int64)):
+    del sides
+    if len(tokens) != int(side_len.sum(dtype=np.int64)):
         raise ValueError(f"{table}: phrases are not single-space separated")
+    vocab: dict[str, int] = {}
     ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), dtype=np.int64, count=len(tokens))
     if len(vocab) >= 2**16:
         raise ValueError(f"{table}: {len(vocab)} distinct words, more than this index holds")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".tmp", delete=False) as fh:
-        np.savez(fh, ids=ids.astype(np.uint16), lengths=lengths, probs=probs,
-                 vocab=np.frombuffer("\n".join(vocab).encode("utf-8"), dtype=np.uint8),
-                 exact=np.frombuffer(json.dumps(exact).encode("utf-8"), dtype=np.uint8))
-    os.replace(fh.name, out)
+    side_start = np.concatenate(([0], np.cumsum(side_len[:-1], dtype=np.int64))).astype(np.int32)
+    tmp = Path(tempfile.mkdtemp(dir=_mkdir(out.parent), prefix=out.name + ".tmp"))
+    try:
+        (tmp / "table.txt").write_bytes(raw)
+        (tmp / "vocab.txt").write_text("\n".join(vocab), encoding="utf-8")
+        for name, arr in (("entry_off", entry_off), ("ids", ids.astype(np.uint16)), ("side_len", side_len),
+                          ("side_start", side_start)):
+            np.save(tmp / f"{name}.npy", arr)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class _Index:
     def __init__(self, path: Path):
-        with np.load(path) as z:
-            self.ids = z["ids"]
-            self.lengths = z["lengths"]
-            self.probs = z["probs"]
-            self.vocab = bytes(z["vocab"]).decode("utf-8").split("\n")
-            self.exact = {int(k): v for k, v in json.loads(bytes(z["exact"]).decode("utf-8")).items()}
-        self.starts = np.zeros(len(self.lengths), dtype=np.int64)
-        np.cumsum(self.lengths[:-1], out=self.starts[1:])
+        self.ids = np.load(path / "ids.npy", mmap_mode="r")
+        self.lengths = np.load(path / "side_len.npy", mmap_mode="r")
+        self.starts = np.load(path / "side_start.npy", mmap_mode="r")
+        self.entry_off = np.load(path / "entry_off.npy", mmap_mode="r")
+        with open(path / "table.txt", "rb") as fh:
+            self.table = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.vocab = (path / "vocab.txt").read_text(encoding="utf-8").split("\n")
         # words without a letter or digit (a few odd symbols) are always kept
         self.always = np.array([not any(c.isalnum() for c in w) for w in self.vocab])
         self.word_id = {w: i for i, w in enumerate(self.vocab)}
@@ -101,13 +120,26 @@ class _Index:
 def _index(table: str) -> _Index | None:
     path = index_path(Path(table))
     if not path.exists():
-        print(f"lora-eval: indexing METEOR's paraphrase table once into {path} ...", file=sys.stderr)
-        try:
-            build_index(Path(table), path)
-        except (OSError, ValueError, MemoryError) as exc:
+        ensure_index(Path(table))
+    return _Index(path) if path.exists() else None
+
+
+def ensure_index(table: Path) -> Path | None:
+    """Build the cache for ``table`` unless it exists; its folder, or None if impossible."""
+    path = index_path(table)
+    if path.exists():
+        return path
+    print(f"lora-eval: indexing METEOR's paraphrase table once into {path} (about 30 s) ...", file=sys.stderr)
+    try:
+        build_index(table, path)
+    except (OSError, ValueError, MemoryError) as exc:
+        if not path.exists():  # (another process may have just built it)
             print(f"lora-eval: cannot index the paraphrase table ({exc}); using the full table", file=sys.stderr)
             return None
-    return _Index(path)
+    for old in path.parent.glob("paraphrase-en.v*"):  # earlier versions, stale temporaries
+        if old != path and not old.name.startswith(path.name + ".tmp"):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    return path
 
 
 class _Token:
@@ -161,22 +193,13 @@ def _text_words(text: str, words: set, pairs: set) -> None:
 
 
 def _write(idx: _Index, keep: np.ndarray, out: Path) -> None:
-    side = np.empty(2 * len(keep), dtype=np.int64)
-    side[0::2], side[1::2] = 2 * keep, 2 * keep + 1
-    lens = idx.lengths[side].astype(np.int64)
-    pos = np.repeat(idx.starts[side] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-    words = np.array(idx.vocab, dtype=object)[idx.ids[pos]]
-    ends = np.cumsum(lens) - 1
-    seps = np.full(len(words), " ", dtype=object)
-    seps[ends] = "\n"
-    pieces = np.empty(2 * len(words), dtype=object)
-    pieces[0::2], pieces[1::2] = words, seps
-    # the probability line goes before the first word of each entry
-    first = 2 * (np.cumsum(lens) - lens)[0::2]
-    probs = [idx.exact.get(int(e), repr(float(idx.probs[e]))) + "\n" for e in keep]
-    pieces[first] = np.array(probs, dtype=object) + pieces[first]
-    with gzip.open(out, "wt", encoding="utf-8", compresslevel=1) as fh:
-        fh.write("".join(pieces.tolist()))
+    """The kept entries, byte for byte as in the table, gzip-compressed (METEOR reads gzip)."""
+    off = np.asarray(idx.entry_off)
+    starts, ends = off[keep].tolist(), off[keep + 1].tolist()
+    buf = idx.table
+    data = b"".join([buf[s:e] for s, e in zip(starts, ends)])
+    with open(out, "wb") as fh:
+        fh.write(gzip.compress(data, compresslevel=1))
 
 
 def _check_adjacency(idx: _Index, side_ok: np.ndarray, pairs: set) -> None:

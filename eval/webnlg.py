@@ -26,10 +26,9 @@ from .chrf import chrf_plus_plus
 from .common import check_instances, per_instance_rows, select_metrics
 from .inputs import EvalInputError, count_mismatch, preview, read_lines, transpose_references
 from .java import require_java
-from .meteor import meteor_files, meteor_stdio
+from .meteor import MeteorRun, meteor_files
 from .mteval import multi_bleu_detok
 from .ter import ter_multi
-from .wordtok import word_tokenize
 
 __all__ = ["WEBNLG_METRICS", "score_webnlg", "score_webnlg_lists", "score_dart", "score_dart_lists",
            "reference_paths"]
@@ -39,6 +38,8 @@ WEBNLG_METRICS = ("BLEU", "METEOR", "TER", "chrF++")
 
 def _tokenize_all(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[list[str], list[list[str]]]:
     """``' '.join(nltk.word_tokenize(x))`` of every text (each distinct text once)."""
+    from .wordtok import word_tokenize  # imports nltk: only when needed
+
     cache: dict[str, str] = {}
 
     def tok(text: str) -> str:
@@ -50,11 +51,24 @@ def _tokenize_all(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[l
     return [tok(h) for h in hyps], [[tok(r) for r in rs] for rs in refs]
 
 
-def _meteor(java: str, hyp_tok: list[str], ref_tok: list[list[str]]) -> tuple[float, list[float]]:
-    """METEOR over ``-stdio``; texts containing ``|||`` (the field separator there) use files."""
+class _FileMeteor:
+    """METEOR in file mode (for texts containing ``|||``, the ``-stdio`` field separator)."""
+
+    def __init__(self, java: str, hyp_tok: list[str], ref_tok: list[list[str]]):
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(meteor_files, java, hyp_tok, ref_tok)
+
+    def result(self) -> tuple[float, list[float]]:
+        return self._future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _start_meteor(java: str, hyp_tok: list[str], ref_tok: list[list[str]]):
     if any("|||" in t for t in hyp_tok) or any("|||" in r for rs in ref_tok for r in rs):
-        return meteor_files(java, hyp_tok, ref_tok)
-    return meteor_stdio(java, ["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok)])
+        return _FileMeteor(java, hyp_tok, ref_tok)
+    return MeteorRun(java, ["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok)])
 
 
 def score_webnlg_lists(
@@ -88,12 +102,12 @@ def score_webnlg_lists(
     refs = [[r.rstrip("\r") for r in rs] for rs in refs]
     java = require_java(["METEOR"], ["BLEU", "TER", "chrF++"]) if "METEOR" in wanted else None
     found: dict = {}
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        met = None
+    met = None
+    try:
         if "METEOR" in wanted or "TER" in wanted:
             hyp_tok, ref_tok = _tokenize_all(hyps, refs)
-            if java is not None:
-                met = pool.submit(_meteor, java, hyp_tok, ref_tok)
+            if java is not None:  # the JVM scores while the other metrics are computed
+                met = _start_meteor(java, hyp_tok, ref_tok)
             if "TER" in wanted:
                 per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
                 found["TER"] = (sum(per) / len(per), per)
@@ -103,6 +117,9 @@ def score_webnlg_lists(
             found["chrF++"] = chrf_plus_plus(hyps, refs)
         if met is not None:
             found["METEOR"] = met.result()
+    finally:
+        if met is not None:
+            met.close()
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})

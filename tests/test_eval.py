@@ -165,7 +165,7 @@ def test_crlf_files_score_like_lf(tmp_path, shared_dir):
 def test_mteval_tokenisation_quirks():
     assert tokenize_e2e("CAFÉ Grill.") == ["cafÉ", "grill", "."]  # ASCII-only lowercasing
     assert tokenize_e2e("a\u00a0b 3.5, 2-3 x&amp;y") == ["a", "b", "3.5", ",", "2", "-", "3", "x", "&", "y"]
-    assert tokenize_bytes_mode("a\u00a0b It's") == ["a\u00a0b", "It's"]  # byte mode: NBSP joins
+    assert tokenize_bytes_mode("a\u00a0b It's") == ("a\u00a0b", "It's")  # byte mode: NBSP joins
 
 
 def test_nltk35_tokenisation_without_download():
