@@ -98,8 +98,11 @@ def _row(name: str, n: int, ours: float, official: float, target: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0 (timings are reported, not enforced)."""
     parser = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", default=os.environ.get("LORA_SHARED", "../shared"),
-                        help="the shared folder holding data/ and evalcases/ (default ../shared)")
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("LORA_SHARED", "../shared"),
+        help="the shared folder holding data/ and evalcases/ (default ../shared)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the best time is shown")
     parser.add_argument("--only", choices=["e2e", "webnlg"], help="run one case only")
     args = parser.parse_args(argv)

@@ -52,7 +52,7 @@ def _counts(seq: Sequence, order: int, as_str: bool) -> list[Counter]:
         if as_str:
             out.append(Counter(seq[i : i + n] for i in range(len(seq) - n + 1)))
         else:
-            out.append(Counter(zip(*(seq[i:] for i in range(n)))))
+            out.append(Counter(zip(*(seq[i:] for i in range(n)), strict=False)))
     return out
 
 
@@ -90,7 +90,7 @@ def chrf_plus_plus(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[
     tot_c = [[0.0, 0.0, 0.0] for _ in range(_NCHAR)]
     tot_w = [[0.0, 0.0, 0.0] for _ in range(_NWORD)]
     per: list[float | None] = []
-    for hyp, rs in zip(hyps, refs):
+    for hyp, rs in zip(hyps, refs, strict=True):
         kept = [r for r in rs if r.strip() != ""]
         if not kept:
             per.append(None)
@@ -107,7 +107,7 @@ def chrf_plus_plus(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[
             if f > best_f:
                 best_f, best = f, (s_c, s_w)
         per.append(best_f)
-        for tot, stats in zip((tot_c, tot_w), best):
+        for tot, stats in zip((tot_c, tot_w), best, strict=True):
             for n, s in enumerate(stats):
                 for k in range(3):
                     tot[n][k] += s[k]

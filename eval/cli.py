@@ -25,8 +25,15 @@ from .webnlg import WEBNLG_METRICS, reference_paths, score_webnlg
 
 __all__ = ["main", "build_parser", "format_table"]
 
-_SCALES = {"BLEU": "0-1", "NIST": "raw", "METEOR": "0-1", "ROUGE_L": "0-1", "CIDEr": "raw",
-           "TER": "0-1", "chrF++": "0-1"}
+_SCALES = {
+    "BLEU": "0-1",
+    "NIST": "raw",
+    "METEOR": "0-1",
+    "ROUGE_L": "0-1",
+    "CIDEr": "raw",
+    "TER": "0-1",
+    "chrF++": "0-1",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-eval", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="task", required=True)
     e2e = sub.add_parser("e2e", help="E2E NLG challenge scores (measure_scores.py)")
-    e2e.add_argument("--ref", required=True, help="reference file: references of an instance on "
-                     "consecutive lines, instances separated by one empty line")
+    e2e.add_argument(
+        "--ref",
+        required=True,
+        help="reference file: references of an instance on consecutive lines, instances separated by one empty line",
+    )
     for name in ("webnlg", "dart"):
         p = sub.add_parser(name, help=f"{name.upper()} scores (GenerationEval eval.py)")
         refs = p.add_mutually_exclusive_group(required=True)

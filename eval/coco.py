@@ -64,7 +64,7 @@ def rouge_l(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
         hyps: tokenised hypotheses.
         refs: tokenised references of each instance (at least one each).
     """
-    scores = [_rouge_one(h, rs) for h, rs in zip(hyps, refs)]
+    scores = [_rouge_one(h, rs) for h, rs in zip(hyps, refs, strict=True)]
     return (float(np.mean(np.array(scores))) if scores else 0.0), scores
 
 
@@ -72,7 +72,7 @@ def _precook(text: str) -> Counter:
     words = text.split()
     counts: Counter = Counter()
     for k in range(1, min(4, len(words)) + 1):
-        counts.update(zip(*(words[i:] for i in range(k))))
+        counts.update(zip(*(words[i:] for i in range(k)), strict=False))
     return counts
 
 
@@ -127,10 +127,10 @@ def cider_d(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
     log_df = {g: math.log(max(1.0, float(c))) for g, c in counts.items()}
     ref_len = math.log(float(len(crefs)))
     scores = []
-    for hyp, rs in zip(hyps, crefs):
+    for hyp, rs in zip(hyps, crefs, strict=True):
         vh = _vec(_precook(hyp), log_df, ref_len)
         score = [0.0, 0.0, 0.0, 0.0]
         for rc in rs:
-            score = [a + b for a, b in zip(score, _sim(vh, _vec(rc, log_df, ref_len)))]
+            score = [a + b for a, b in zip(score, _sim(vh, _vec(rc, log_df, ref_len)), strict=True)]
         scores.append(sum(score) / 4 / len(rs) * 10.0)
     return float(np.mean(np.array(scores))), scores

@@ -54,7 +54,7 @@ def _coco_metrics(java: str, tokens: list[str], hyps, refs, wanted) -> dict:
     met = None
     try:
         if "METEOR" in wanted:
-            met = MeteorRun(java, [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok)])
+            met = MeteorRun(java, [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)])
         if "ROUGE_L" in wanted:
             out["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
         if "CIDEr" in wanted:
@@ -134,6 +134,8 @@ def score_e2e(
             first = f"{hyp_path} line {n + 1}: {preview(hyp_lines[n])}"
         else:
             first = f"{ref_path} instance {n + 1} at line {starts[n]}: {preview(refs[n][0])}"
-        unit = "reference groups (separated by empty lines)" if len(starts) < sum(map(len, refs)) else "references (lines)"
+        unit = (
+            "reference groups (separated by empty lines)" if len(starts) < sum(map(len, refs)) else "references (lines)"
+        )
         raise count_mismatch(hyp_path, len(hyp_lines), ref_path, len(refs), unit, first)
     return score_e2e_lists(refs, hyp_lines, per_instance=per_instance, metrics=metrics)

@@ -157,8 +157,9 @@ def read_e2e_references(path: PathLike) -> tuple[list[list[str]], list[int]]:
     return groups, starts
 
 
-def count_mismatch(hyp_path: PathLike, n_hyp: int, ref_path: PathLike, n_ref: int, unit: str,
-                   first_extra: str) -> EvalInputError:
+def count_mismatch(
+    hyp_path: PathLike, n_hyp: int, ref_path: PathLike, n_ref: int, unit: str, first_extra: str
+) -> EvalInputError:
     """The error for hypothesis and reference instance counts that disagree.
 
     Args:
@@ -189,7 +190,7 @@ def transpose_references(paths: Sequence[PathLike], columns: Sequence[Sequence[s
         ``refs[i]`` = the i-th line of every file, in file order.
     """
     n0 = len(columns[0])
-    for path, col in zip(paths[1:], columns[1:]):
+    for path, col in zip(paths[1:], columns[1:], strict=True):
         if len(col) != n0:
             first = min(n0, len(col))
             longer_path, longer = (paths[0], columns[0]) if n0 > len(col) else (path, col)
@@ -198,4 +199,4 @@ def transpose_references(paths: Sequence[PathLike], columns: Sequence[Sequence[s
                 f"{len(col)}; first unmatched line: {longer_path} line {first + 1}: "
                 f"{_preview(longer[first])}"
             )
-    return [list(refs) for refs in zip(*columns)]
+    return [list(refs) for refs in zip(*columns, strict=True)]

@@ -25,6 +25,9 @@ PTB_PUNCTUATION = frozenset(
     ["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--", "...", ";"]
 )
 JAVA_OPTS = ["-Dfile.encoding=UTF-8"]
+# characters PTBTokenizer -preserveLines ends a line at (coco replaces only "\n"; the
+# others cannot occur in the official scorer's lines, which codecs splits at them)
+_PTB_BREAKS = str.maketrans(dict.fromkeys("\n\r\x0b\x0c\u2028\u2029", " "))
 
 
 @lru_cache(maxsize=1)
@@ -87,10 +90,18 @@ def ptb_tokenize(java: str, texts: Sequence[str]) -> list[str]:
     """
     if not texts:
         return []
-    cmd = [java, *JAVA_OPTS, "-XX:TieredStopAtLevel=1", "-cp", str(_ptb_jar()), "edu.stanford.nlp.process.PTBTokenizer",
-           "-preserveLines", "-lowerCase"]
-    data = "\n".join(t.replace("\n", " ") for t in texts).encode("utf-8")
-    proc = subprocess.run(cmd, input=data, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
+    cmd = [
+        java,
+        *JAVA_OPTS,
+        "-XX:TieredStopAtLevel=1",
+        "-cp",
+        str(_ptb_jar()),
+        "edu.stanford.nlp.process.PTBTokenizer",
+        "-preserveLines",
+        "-lowerCase",
+    ]
+    data = "\n".join(t.translate(_PTB_BREAKS) for t in texts).encode("utf-8")
+    proc = subprocess.run(cmd, input=data, capture_output=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"PTBTokenizer failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
     lines = proc.stdout.decode("utf-8").split("\n")
@@ -103,4 +114,3 @@ def coco_score_line(hyp: str, refs: Sequence[str]) -> str:
     """coco-caption ``Meteor._stat``'s line: ``|||`` and double spaces cleaned from the hypothesis."""
     hyp = hyp.replace("|||", "").replace("  ", " ")
     return " ||| ".join(("SCORE", " ||| ".join(refs), hyp))
-

@@ -49,8 +49,9 @@ class MeteorProcess:
         if table is not None:
             cmd += ["-a", str(table)]
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(cmd, cwd=str(meteor_jar().parent), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._stderr)
+        self._proc = subprocess.Popen(
+            cmd, cwd=str(meteor_jar().parent), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr
+        )
 
     def _fail(self, what: str) -> RuntimeError:
         self._proc.kill()
@@ -133,7 +134,7 @@ class MeteorRun:
         size = -(-len(score_lines) // n)
         parts = [score_lines[i * size : (i + 1) * size] for i in range(n)]
         self._pool = ThreadPoolExecutor(max_workers=n)
-        self._futures = [self._pool.submit(p.stats, part) for p, part in zip(self._procs, parts)]
+        self._futures = [self._pool.submit(p.stats, part) for p, part in zip(self._procs, parts, strict=True)]
 
     def result(self) -> tuple[float, list[float]]:
         """``(corpus_score, segment_scores)``; stops the JVMs."""
@@ -173,10 +174,21 @@ def meteor_files(java: str, hyps: Sequence[str], refs: Sequence[Sequence[str]]) 
         hyp_file, ref_file = Path(tmp, "hyp"), Path(tmp, "ref")
         hyp_file.write_text("\n".join(hyps), encoding="utf-8")
         ref_file.write_text("\n".join(flat), encoding="utf-8")
-        cmd = [java, *JAVA_OPTS, "-Xmx2G", "-jar", str(meteor_jar()), str(hyp_file), str(ref_file),
-               "-l", "en", "-norm", "-r", str(nref)]
-        proc = subprocess.run(cmd, cwd=str(meteor_jar().parent), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, check=False)
+        cmd = [
+            java,
+            *JAVA_OPTS,
+            "-Xmx2G",
+            "-jar",
+            str(meteor_jar()),
+            str(hyp_file),
+            str(ref_file),
+            "-l",
+            "en",
+            "-norm",
+            "-r",
+            str(nref),
+        ]
+        proc = subprocess.run(cmd, cwd=str(meteor_jar().parent), capture_output=True, check=False)
     lines = proc.stdout.decode("utf-8", "replace").splitlines()
     seg = [float(line.split()[-1]) for line in lines if line.startswith("Segment ")]
     final = [float(line.split()[-1]) for line in lines if line.startswith("Final score:")]

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from functools import lru_cache
 from collections.abc import Sequence
+from functools import lru_cache
 
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
@@ -68,7 +68,7 @@ def _ngrams(words: Sequence[str], max_n: int) -> Counter:
     """Counts of all n-grams (as word tuples) for n = 1..max_n."""
     counts: Counter = Counter()
     for n in range(1, min(max_n, len(words)) + 1):
-        counts.update(zip(*(words[i:] for i in range(n))))
+        counts.update(zip(*(words[i:] for i in range(n)), strict=False))
     return counts
 
 
@@ -141,7 +141,7 @@ def _score_segment(hyp: list[str], refs: list[list[str]], ref_counts: list[Count
     tst = [0] + [max(0, len(hyp) - n + 1) for n in range(1, 6)]
     ref_max: dict = {}
     ref1, nrefs, ref_length = 0, 0, None
-    for words, counts in zip(refs, ref_counts):
+    for words, counts in zip(refs, ref_counts, strict=True):
         ref_length = len(words) if ref_length is None else _closest(ref_length, len(words), len(hyp))
         if not words:
             continue
@@ -180,7 +180,7 @@ def mteval_e2e(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> MtevalResu
     cum_len, cum_nrefs, cum_ref1 = 0, 0, 0
     cum_match, cum_tst, cum_info = [0] * 6, [0] * 6, [0.0] * 6
     seg_bleu, seg_nist = [], []
-    for hyp, rs, rc in zip(hyp_tok, ref_tok, ref_counts):
+    for hyp, rs, rc in zip(hyp_tok, ref_tok, ref_counts, strict=True):
         ref_length, nrefs, match, tst, ref1, tst_info = _score_segment(hyp, rs, rc, info)
         seg_bleu.append(_bleu_smoothed(ref_length, match, tst))
         seg_nist.append(_nist(nrefs, tst, ref1, tst_info))
@@ -220,7 +220,7 @@ def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tupl
     correct, total = [0] * 5, [0] * 5
     hyp_len = ref_len = 0
     sent = []
-    for hyp, rs in zip(hyps, refs):
+    for hyp, rs in zip(hyps, refs, strict=True):
         words = tokenize_bytes_mode(hyp)
         closest_diff, closest_len = 9999, 9999
         ref_max: dict = {}

@@ -73,7 +73,7 @@ def build_index(table: Path, out: Path) -> None:
         raise ValueError(f"{table}: {len(lines)} lines, not a multiple of 3")
     line_bytes = np.fromiter((len(x.encode("utf-8")) + 1 for x in lines), dtype=np.int64, count=len(lines))
     entry_off = np.concatenate(([0], np.cumsum(line_bytes.reshape(-1, 3).sum(axis=1))))
-    sides = [x for pair in zip(lines[1::3], lines[2::3]) for x in pair]
+    sides = [x for pair in zip(lines[1::3], lines[2::3], strict=True) for x in pair]
     del lines
     side_len = np.fromiter((x.count(" ") + 1 for x in sides), dtype=np.uint8, count=len(sides))
     tokens = " ".join(sides).split(" ")
@@ -89,8 +89,12 @@ def build_index(table: Path, out: Path) -> None:
     try:
         (tmp / "table.txt").write_bytes(raw)
         (tmp / "vocab.txt").write_text("\n".join(vocab), encoding="utf-8")
-        for name, arr in (("entry_off", entry_off), ("ids", ids.astype(np.uint16)), ("side_len", side_len),
-                          ("side_start", side_start)):
+        for name, arr in (
+            ("entry_off", entry_off),
+            ("ids", ids.astype(np.uint16)),
+            ("side_len", side_len),
+            ("side_start", side_start),
+        ):
             np.save(tmp / f"{name}.npy", arr)
         os.replace(tmp, out)
     finally:
@@ -197,7 +201,7 @@ def _write(idx: _Index, keep: np.ndarray, out: Path) -> None:
     off = np.asarray(idx.entry_off)
     starts, ends = off[keep].tolist(), off[keep + 1].tolist()
     buf = idx.table
-    data = b"".join([buf[s:e] for s, e in zip(starts, ends)])
+    data = b"".join([buf[s:e] for s, e in zip(starts, ends, strict=True)])
     with open(out, "wb") as fh:
         fh.write(gzip.compress(data, compresslevel=1))
 

@@ -30,8 +30,7 @@ from .meteor import MeteorRun, meteor_files
 from .mteval import multi_bleu_detok
 from .ter import ter_multi
 
-__all__ = ["WEBNLG_METRICS", "score_webnlg", "score_webnlg_lists", "score_dart", "score_dart_lists",
-           "reference_paths"]
+__all__ = ["WEBNLG_METRICS", "score_webnlg", "score_webnlg_lists", "score_dart", "score_dart_lists", "reference_paths"]
 
 WEBNLG_METRICS = ("BLEU", "METEOR", "TER", "chrF++")
 
@@ -68,7 +67,9 @@ class _FileMeteor:
 def _start_meteor(java: str, hyp_tok: list[str], ref_tok: list[list[str]]):
     if any("|||" in t for t in hyp_tok) or any("|||" in r for rs in ref_tok for r in rs):
         return _FileMeteor(java, hyp_tok, ref_tok)
-    return MeteorRun(java, ["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok)])
+    return MeteorRun(
+        java, ["SCORE ||| " + " ||| ".join(rs) + " ||| " + h for h, rs in zip(hyp_tok, ref_tok, strict=True)]
+    )
 
 
 def score_webnlg_lists(
@@ -109,7 +110,7 @@ def score_webnlg_lists(
             if java is not None:  # the JVM scores while the other metrics are computed
                 met = _start_meteor(java, hyp_tok, ref_tok)
             if "TER" in wanted:
-                per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok)]
+                per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)]
                 found["TER"] = (sum(per) / len(per), per)
         if "BLEU" in wanted:
             found["BLEU"] = multi_bleu_detok(hyps, refs)

@@ -63,9 +63,14 @@ class _TreebankWordTokenizer35:
     CONTRACTIONS2 = [
         re.compile(p)
         for p in (
-            r"(?i)\b(can)(?#X)(not)\b", r"(?i)\b(d)(?#X)('ye)\b", r"(?i)\b(gim)(?#X)(me)\b",
-            r"(?i)\b(gon)(?#X)(na)\b", r"(?i)\b(got)(?#X)(ta)\b", r"(?i)\b(lem)(?#X)(me)\b",
-            r"(?i)\b(mor)(?#X)('n)\b", r"(?i)\b(wan)(?#X)(na)\s",
+            r"(?i)\b(can)(?#X)(not)\b",
+            r"(?i)\b(d)(?#X)('ye)\b",
+            r"(?i)\b(gim)(?#X)(me)\b",
+            r"(?i)\b(gon)(?#X)(na)\b",
+            r"(?i)\b(got)(?#X)(ta)\b",
+            r"(?i)\b(lem)(?#X)(me)\b",
+            r"(?i)\b(mor)(?#X)('n)\b",
+            r"(?i)\b(wan)(?#X)(na)\s",
         )
     ]
     CONTRACTIONS3 = [re.compile(r"(?i) ('t)(?#X)(is)\b"), re.compile(r"(?i) ('t)(?#X)(was)\b")]
@@ -155,7 +160,7 @@ class _Punkt35(PunktSentenceTokenizer):
     def _realign_boundaries(self, text: str, slices):
         slices = list(slices)
         realign = 0
-        for sl1, sl2 in zip(slices, slices[1:] + [None]):
+        for sl1, sl2 in zip(slices, slices[1:] + [None], strict=True):
             sl1 = slice(sl1.start + realign, sl1.stop)
             if not sl2:
                 if text[sl1]:

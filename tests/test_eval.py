@@ -27,8 +27,15 @@ from eval.wordtok import word_tokenize
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_JAVA = ev_java.find_java() is not None
 needs_java = pytest.mark.skipif(not HAVE_JAVA and not os.environ.get("CI"), reason="no Java runtime")
-TOL = {"BLEU": 0.0005, "NIST": 0.005, "METEOR": 0.0005, "ROUGE_L": 0.0005, "CIDEr": 0.005,
-       "TER": 0.0005, "chrF++": 0.0005}
+TOL = {
+    "BLEU": 0.0005,
+    "NIST": 0.005,
+    "METEOR": 0.0005,
+    "ROUGE_L": 0.0005,
+    "CIDEr": 0.005,
+    "TER": 0.0005,
+    "chrF++": 0.0005,
+}
 
 
 def _case(shared_dir: Path, name: str) -> tuple[Path, dict]:
@@ -142,7 +149,10 @@ def test_without_java_names_what_can_still_be_computed(monkeypatch):
     with pytest.raises(ev.JavaUnavailableError, match=r"METEOR need.*BLEU, TER, chrF\+\+"):
         ev.score_webnlg_lists([["a cat"]], ["a cat"])
     assert set(ev.score_webnlg_lists([["a cat"]], ["a cat"], metrics=["BLEU", "TER", "chrF++"])) == {
-        "BLEU", "TER", "chrF++"}
+        "BLEU",
+        "TER",
+        "chrF++",
+    }
 
 
 # ---------------------------------------------------------------- CRLF, empty lines, non-ASCII
@@ -154,12 +164,15 @@ def test_crlf_files_score_like_lf(tmp_path, shared_dir):
     lf = ev.score_e2e(case / "ref.txt", case / "hyp.txt", metrics="BLEU,NIST")
     assert ev.score_e2e(crlf["ref.txt"], crlf["hyp.txt"], metrics="BLEU,NIST") == lf
     web, _ = _case(shared_dir, "webnlg_ge_example")
-    paths = [_write(tmp_path / f"reference{k}", (web / f"reference{k}").read_bytes().replace(b"\n", b"\r\n"))
-             for k in range(2)]
+    paths = [
+        _write(tmp_path / f"reference{k}", (web / f"reference{k}").read_bytes().replace(b"\n", b"\r\n"))
+        for k in range(2)
+    ]
     hyp = _write(tmp_path / "h", (web / "hyp.txt").read_bytes().replace(b"\n", b"\r\n"))
     small = "BLEU,chrF++"
     assert ev.score_webnlg(paths, hyp, metrics=small) == ev.score_webnlg(
-        [web / "reference0", web / "reference1"], web / "hyp.txt", metrics=small)
+        [web / "reference0", web / "reference1"], web / "hyp.txt", metrics=small
+    )
 
 
 def test_mteval_tokenisation_quirks():
@@ -170,9 +183,28 @@ def test_mteval_tokenisation_quirks():
 
 def test_nltk35_tokenisation_without_download():
     assert word_tokenize("piece 'n bacon. It's 'Technical'.") == [
-        "piece", "'", "n", "bacon", ".", "It", "'s", "'Technical", "'", "."]  # 3.6+ keeps 'n
+        "piece",
+        "'",
+        "n",
+        "bacon",
+        ".",
+        "It",
+        "'s",
+        "'Technical",
+        "'",
+        ".",
+    ]  # 3.6+ keeps 'n
     assert word_tokenize("Madrid–Barajas is at 18L/36R. Mr. Smith came.") == [
-        "Madrid–Barajas", "is", "at", "18L/36R", ".", "Mr.", "Smith", "came", "."]
+        "Madrid–Barajas",
+        "is",
+        "at",
+        "18L/36R",
+        ".",
+        "Mr.",
+        "Smith",
+        "came",
+        ".",
+    ]
 
 
 def test_ter_is_pyter():
@@ -184,8 +216,7 @@ def test_ter_is_pyter():
 
 def test_webnlg_empty_and_padded_references_without_java():
     refs = [["the cat sat", "", "a cat sat"], ["", "", ""], ["dogs bark .", "dogs bark", ""]]
-    out = ev.score_webnlg_lists(refs, ["the cat sat", "", "dogs bark ."], metrics="BLEU,TER,chrF++",
-                                per_instance=True)
+    out = ev.score_webnlg_lists(refs, ["the cat sat", "", "dogs bark ."], metrics="BLEU,TER,chrF++", per_instance=True)
     rows = out["per_instance"]
     assert [r["TER"] for r in rows] == [0.0, 1.0, 0.0]  # all-empty references score 1
     assert rows[1]["chrF++"] is None and rows[0]["chrF++"] == pytest.approx(1.0)
@@ -195,9 +226,11 @@ def test_webnlg_empty_and_padded_references_without_java():
 @needs_java
 def test_e2e_edge_cases_stay_aligned(tmp_path):
     """Empty hypotheses, non-ASCII, emoji, ``|||`` and odd separators do not shift instances."""
-    base_refs = [["The Eagle is a coffee shop.", "Eagle serves coffee."],
-                 ["Zizzi is a pub near the river.", "There is a pub called Zizzi."],
-                 ["Café Rouge has 5 stars — “excellent”.", "CAFÉ ROUGE is rated 5 out of 5."]]
+    base_refs = [
+        ["The Eagle is a coffee shop.", "Eagle serves coffee."],
+        ["Zizzi is a pub near the river.", "There is a pub called Zizzi."],
+        ["Café Rouge has 5 stars — “excellent”.", "CAFÉ ROUGE is rated 5 out of 5."],
+    ]
     base_hyps = ["The Eagle is a coffee shop.", "Zizzi is a riverside pub.", "Café Rouge is rated 5 stars."]
     plain = ev.score_e2e_lists(base_refs, base_hyps, per_instance=True)
     refs = [["Odd ||| separator ref."], *base_refs[:2], ["😀 only emoji ref."], base_refs[2]]
@@ -216,8 +249,24 @@ def test_cli_json_and_per_instance(tmp_path, shared_dir):
     case, gold = _case(shared_dir, "e2e_example")
     out = tmp_path / "per.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "eval", "e2e", "--ref", str(case / "ref.txt"), "--hyp", str(case / "hyp.txt"),
-         "--json", "--per-instance", str(out)], capture_output=True, text=True, cwd=ROOT, check=False)
+        [
+            sys.executable,
+            "-m",
+            "eval",
+            "e2e",
+            "--ref",
+            str(case / "ref.txt"),
+            "--hyp",
+            str(case / "hyp.txt"),
+            "--json",
+            "--per-instance",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     scores = json.loads(proc.stdout)
     _assert_close(scores, gold["gold"], TOL)
@@ -231,14 +280,23 @@ def test_cli_table_prefix_and_errors(tmp_path, shared_dir):
     from eval.cli import main
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "eval", *args], capture_output=True, text=True,
-                              cwd=ROOT, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "eval", *args], capture_output=True, text=True, cwd=ROOT, check=False
+        )
 
-    proc = run("webnlg", "--ref-prefix", str(case / "reference"), "--num-refs", "4", "--hyp",
-               str(case / "hyp.txt"), "--metrics", "BLEU,chrF++")
+    proc = run(
+        "webnlg",
+        "--ref-prefix",
+        str(case / "reference"),
+        "--num-refs",
+        "4",
+        "--hyp",
+        str(case / "hyp.txt"),
+        "--metrics",
+        "BLEU,chrF++",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "WEBNLG scores (1862 instances" in proc.stdout and "51.3190" in proc.stdout
     bad = run("dart", "--refs", str(case / "reference0"), "--hyp", str(tmp_path / "none.txt"))
     assert bad.returncode == 2 and "file not found" in bad.stderr
-    assert main(["e2e", "--ref", str(case / "reference0"), "--hyp", str(case / "hyp.txt"),
-                 "--metrics", "nope"]) == 2
+    assert main(["e2e", "--ref", str(case / "reference0"), "--hyp", str(case / "hyp.txt"), "--metrics", "nope"]) == 2
