@@ -66,28 +66,29 @@ def build_index(table: Path, out: Path) -> None:
     counts and first positions in ``ids``) and ``vocab.txt``.
     """
     raw = gzip.decompress(table.read_bytes())
-    lines = raw.decode("utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if len(lines) % 3:
-        raise ValueError(f"{table}: {len(lines)} lines, not a multiple of 3")
-    line_bytes = np.fromiter((len(x.encode("utf-8")) + 1 for x in lines), dtype=np.int64, count=len(lines))
-    entry_off = np.concatenate(([0], np.cumsum(line_bytes.reshape(-1, 3).sum(axis=1))))
-    sides = [x for pair in zip(lines[1::3], lines[2::3], strict=True) for x in pair]
-    del lines
-    side_len = np.fromiter((x.count(" ") + 1 for x in sides), dtype=np.uint8, count=len(sides))
-    tokens = " ".join(sides).split(" ")
-    del sides
-    if len(tokens) != int(side_len.sum(dtype=np.int64)):
-        raise ValueError(f"{table}: phrases are not single-space separated")
-    vocab: dict[str, int] = {}
-    ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), dtype=np.int64, count=len(tokens))
-    if len(vocab) >= 2**16:
-        raise ValueError(f"{table}: {len(vocab)} distinct words, more than this index holds")
-    side_start = np.concatenate(([0], np.cumsum(side_len[:-1], dtype=np.int64))).astype(np.int32)
+    ends = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) == 10)  # byte offsets of the newlines
+    if len(ends) % 3 or (len(raw) and ends[-1] != len(raw) - 1):
+        raise ValueError(f"{table}: not a whole number of 3-line entries")
+    entry_off = np.concatenate(([0], ends[2::3] + 1)).astype(np.int64)
     tmp = Path(tempfile.mkdtemp(dir=_mkdir(out.parent), prefix=out.name + ".tmp"))
     try:
         (tmp / "table.txt").write_bytes(raw)
+        lines = raw.decode("utf-8").split("\n")
+        del raw
+        sides = [x for pair in zip(lines[1::3], lines[2::3], strict=True) for x in pair]
+        del lines
+        side_len = np.fromiter((x.count(" ") + 1 for x in sides), dtype=np.uint8, count=len(sides))
+        vocab: dict[str, int] = {}
+        parts = []
+        for k in range(0, len(sides), 1 << 20):  # in chunks, to bound the memory
+            tokens = " ".join(sides[k : k + (1 << 20)]).split(" ")
+            parts.append(np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), dtype=np.int64))
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if len(ids) != int(side_len.sum(dtype=np.int64)):
+            raise ValueError(f"{table}: phrases are not single-space separated")
+        if len(vocab) >= 2**16:
+            raise ValueError(f"{table}: {len(vocab)} distinct words, more than this index holds")
+        side_start = np.concatenate(([0], np.cumsum(side_len[:-1], dtype=np.int64))).astype(np.int32)
         (tmp / "vocab.txt").write_text("\n".join(vocab), encoding="utf-8")
         for name, arr in (
             ("entry_off", entry_off),
