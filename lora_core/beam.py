@@ -65,7 +65,7 @@ def banned_ngram_tokens(history: np.ndarray, n: int) -> list[list[int]]:
 
 def postprocess(logits: np.ndarray, history: np.ndarray | None, cur_len: int, cfg: BeamConfig) -> np.ndarray:
     """Repetition penalty, min-length eos ban and no-repeat n-grams (in place on a copy)."""
-    scores = np.array(logits, dtype=np.float64)
+    scores = np.array(logits, dtype=np.float32)
     if history is not None and cfg.repetition_penalty != 1.0:
         for i, row in enumerate(history):
             toks = np.unique(row)
@@ -105,13 +105,18 @@ class BeamSearch:
         B, k = self.B, self.k
         logp = log_softmax(postprocess(logits, self.history, self.step_index, self.cfg))
         V = logp.shape[-1]
-        if self.step_index == 0:
-            cand = logp.reshape(B, k, V)[:, 0, :]  # all beams hold the same prompt
-        else:
-            cand = (self.scores[:, :, None] + logp.reshape(B, k, V)).reshape(B, k * V)
-        top = _topk(cand, k)  # (B, k), sorted by score, ties by index
+        if self.step_index == 0:  # all beams hold the same prompt: candidates of beam 0 only
+            first = logp.reshape(B, k, V)[:, 0, :]
+            index = row_topk(first, k)  # (B, k) tokens
+            cand = np.take_along_axis(first, index, 1).astype(np.float64)
+        else:  # the global top k of beam x vocab is among each beam's own top k
+            part = row_topk(logp, min(k, V))  # (B*k, kk) tokens
+            cand = (self.scores.reshape(-1, 1) + np.take_along_axis(logp, part, 1)).reshape(B, -1)
+            index = (part + (np.arange(B * k) % k)[:, None] * V).reshape(B, -1)
+        top = _topk(cand, index, k)  # (B, k) positions in cand, by score then flat index
         self.scores = np.take_along_axis(cand, top, 1)
-        beam_id, tokens = top // V, (top % V).reshape(-1)
+        flat = np.take_along_axis(index, top, 1)  # beam * V + token
+        beam_id, tokens = flat // V, (flat % V).reshape(-1)
         rows = (beam_id + np.arange(B)[:, None] * k).reshape(-1)
         col = tokens[:, None]
         self.history = col if self.history is None else np.concatenate([self.history[rows], col], 1)
@@ -139,12 +144,40 @@ class BeamSearch:
         return [b if b is not None else [] for b in self.best]
 
 
-def _topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest per row, sorted by value descending then index ascending."""
-    part = np.argpartition(-x, k - 1, axis=1)[:, :k] if k < x.shape[1] else np.tile(np.arange(x.shape[1]), (len(x), 1))
-    vals = np.take_along_axis(x, part, 1)
-    order = np.lexsort((part, -vals))  # per row: by value descending, then index ascending
-    return np.take_along_axis(part, order, 1)
+def row_topk(x: np.ndarray, k: int, stride: int = 64) -> np.ndarray:
+    """Column indices of the k largest per row, by value descending then index ascending.
+
+    Exact and faster than ``argpartition`` on wide rows: the k-th largest of a strided
+    subsample bounds the row's k-th largest from below, so only entries >= that bound are
+    sorted (ties included).
+    """
+    rows, n = x.shape
+    if n <= k * stride:
+        bound = np.full(rows, -np.inf, dtype=x.dtype)
+    else:
+        sub = x[:, ::stride]
+        bound = np.partition(sub, sub.shape[1] - k, axis=1)[:, sub.shape[1] - k]
+    r, c = np.nonzero(x >= bound[:, None])
+    order = np.lexsort((c, -x[r, c], r))  # by row, then value descending, then index
+    r, c = r[order], c[order]
+    starts = np.searchsorted(r, np.arange(rows))
+    return c[starts[:, None] + np.arange(k)[None, :]]
+
+
+def _topk(x: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k best per row: score descending, then ``index`` ascending."""
+    if k < x.shape[1]:
+        part = np.argpartition(x, x.shape[1] - k, axis=1)[:, x.shape[1] - k:]
+        kth = np.take_along_axis(x, part, 1).min(1, keepdims=True)
+        # ties at the boundary: take every candidate at least as good as the k-th, then order
+        rows = [np.flatnonzero(row >= t) for row, t in zip(x, kth[:, 0])]
+    else:
+        rows = [np.arange(x.shape[1])] * len(x)
+    out = []
+    for r, cols in enumerate(rows):
+        order = np.lexsort((index[r, cols], -x[r, cols]))[:k]
+        out.append(cols[order])
+    return np.array(out)
 
 
 def left_pad(contexts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
