@@ -24,6 +24,7 @@ with the current hypothesis. Results are identical.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 __all__ = ["ter", "ter_multi"]
@@ -122,20 +123,34 @@ def ter(hyp: Sequence[str], ref: Sequence[str]) -> float:
         words = shifted
 
 
+def _lower_bound(bag: Counter, n: int, rwords: list[str]) -> float:
+    common = sum((bag & Counter(rwords)).values())
+    return (max(n, len(rwords)) - common) / len(rwords)
+
+
 def ter_multi(hyp: str, refs: Sequence[str]) -> float:
     """GenerationEval ``ter_score`` for one instance: min over references of pyter TER.
+
+    A reference is skipped when it cannot lower the minimum: shifts only reorder the
+    hypothesis, so TER >= (max(n, m) - |bag(hyp) & bag(ref)|) / m.
 
     Args:
         hyp: tokenised hypothesis (tokens joined by spaces).
         refs: tokenised references; an empty one scores 1.
     """
-    scores = []
+    words = hyp.split()
+    bag = Counter(words)
+    best = None
     for ref in refs:
         if len(ref) == 0:
-            scores.append(1.0)
-            continue
-        try:
-            scores.append(ter(hyp.split(), ref.split()))
-        except ZeroDivisionError:  # pyter raises, GenerationEval catches: 1
-            scores.append(1.0)
-    return min(scores)
+            score = 1.0
+        else:
+            rwords = ref.split()
+            if not rwords:  # pyter raises ZeroDivisionError, GenerationEval catches: 1
+                score = 1.0
+            elif best is not None and _lower_bound(bag, len(words), rwords) >= best:
+                continue
+            else:
+                score = ter(words, rwords)
+        best = score if best is None else min(best, score)
+    return 1.0 if best is None else best
