@@ -47,7 +47,7 @@ def _split_tokens(tok: list[str], refs: Sequence[Sequence[str]]) -> tuple[list[l
     return ref_tok, tok[pos:]
 
 
-def _coco_metrics(java: str, tokens: list[str], hyps, refs, wanted) -> dict:
+def _coco_metrics(java: str, tokens: list[str], refs, wanted) -> dict:
     """METEOR (JVM in the background), ROUGE-L and CIDEr-D of PTB-tokenised texts."""
     ref_tok, hyp_tok = _split_tokens(tokens, refs)
     out = {}
@@ -104,7 +104,7 @@ def score_e2e_lists(
             mt = mteval_e2e(hyps, refs)
             found["BLEU"], found["NIST"] = (mt.bleu, mt.seg_bleu), (mt.nist, mt.seg_nist)
     if java:
-        found.update(_coco_metrics(java, ptb.result(), hyps, refs, wanted))
+        found.update(_coco_metrics(java, ptb.result(), refs, wanted))
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})
