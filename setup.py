@@ -21,6 +21,6 @@ setup(
     packages=find_packages(include=["lora_core*", "backends*", "eval*", "examples*"]),
     install_requires=["numpy>=1.22", "safetensors>=0.4", "tokenizers>=0.15"],
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["lora-eval = eval.cli:main", "lora-nlg = examples.nlg.cli:main"]},
+    entry_points={"console_scripts": ["lora-eval = eval.cli:main"]},
     license="MIT",
 )
