@@ -18,8 +18,8 @@ runs the padded prompt ``beam`` times and lets generated tokens attend to paddin
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -214,3 +214,15 @@ def run_beam_search(forward: Callable, repeat_rows: Callable, reorder: Callable,
         mask = np.concatenate([mask[rows], np.ones((len(rows), 1), dtype=mask.dtype)], 1)
         logits, past = forward(tokens[:, None], past, mask)
     return search.results()
+
+
+def beam_search_batched(forward: Callable, repeat_rows: Callable, reorder: Callable,
+                        contexts: Sequence[Sequence[int]], cfg: BeamConfig, batch_size: int = 8,
+                        progress: bool = False) -> list[list[int]]:
+    """``run_beam_search`` over ``contexts`` in batches of ``batch_size`` (with a progress bar)."""
+    from .progress import batched
+
+    out: list[list[int]] = []
+    for chunk in batched(contexts, batch_size, progress, desc="beam"):
+        out.extend(run_beam_search(forward, repeat_rows, reorder, chunk, cfg))
+    return out

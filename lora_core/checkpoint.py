@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import GPT2Config, LoRAConfig
-from .naming import TRANSPOSED, is_non_parameter, base_shapes, lora_shapes, trainable_names
+from .naming import TRANSPOSED, base_shapes, is_non_parameter, lora_shapes, trainable_names
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter.safetensors"
 MODEL_CONFIG, MODEL_WEIGHTS = "config.json", "model.safetensors"

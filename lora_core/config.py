@@ -78,7 +78,7 @@ class LoRAConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LoRAConfig":
+    def from_dict(cls, d: dict) -> LoRAConfig:
         return cls(**_checked_kwargs(cls, d))
 
 
@@ -122,11 +122,11 @@ class GPT2Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPT2Config":
+    def from_dict(cls, d: dict) -> GPT2Config:
         return cls(**_checked_kwargs(cls, d))
 
     @classmethod
-    def from_hf_json(cls, path: str) -> "GPT2Config":
+    def from_hf_json(cls, path: str) -> GPT2Config:
         """Read an HF ``config.json`` (keys we do not model are ignored: they are HF bookkeeping)."""
         with open(path, encoding="utf-8") as f:
             d = json.load(f)

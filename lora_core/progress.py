@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 def batched(items: Sequence, size: int, progress: bool = False, desc: str = "") -> Iterator[Sequence]:

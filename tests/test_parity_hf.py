@@ -103,7 +103,7 @@ def test_padded_batch_matches_transformers(backend, hf_model, side):
     real = mask.astype(bool)  # pad positions' logits are not defined by either model
     assert_close(f"{backend.NAME} vs HF logits (padded {side})", out[real], to_numpy(ref)[real], LOGIT_TOL, _bound(ref))
     # each padded row equals its unpadded run alone
-    for b, n in enumerate(lengths):
+    for b in range(len(lengths)):
         alone = ids[b:b + 1][mask[b:b + 1] == 1][None]
         with torch.no_grad():
             ref_alone = hf(torch.from_numpy(alone)).logits

@@ -10,11 +10,13 @@ from examples.nlg.parity import run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_e2e_pipeline_parity(shared_dir, tmp_path, dropout):
-    rep = run(shared_dir / "data", tmp_path, steps=200, test_mrs=50, dropout=dropout, progress=False)
-    print(rep)
-    assert rep["steps"] == 200
-    assert rep["last_loss"] < rep["first_loss"] - 1.0, "training did not learn: the comparison would be vacuous"
-    assert rep["max_rel_loss_diff"] <= 1e-3
-    assert rep["identical_share"] >= 0.98
+def test_e2e_pipeline_parity(shared_dir, tmp_path):
+    reps = run(shared_dir / "data", tmp_path, steps=200, test_mrs=50, dropouts=(0.0, 0.1), progress=False)
+    for rep in reps:
+        print(rep)
+        assert rep["steps"] == 200
+        assert rep["last_loss"] < rep["first_loss"], "training did not learn"
+        # a model that stops at once would make identical beams vacuous
+        assert rep["mean_generated_len"] > 8, rep
+        assert rep["max_rel_loss_diff"] <= 1e-3
+        assert rep["identical_share"] >= 0.98

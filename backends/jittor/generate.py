@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import jittor as jt
 
-from lora_core.beam import BeamConfig, run_beam_search
-from lora_core.progress import batched
+from lora_core.beam import BeamConfig, beam_search_batched
 
 
 def _forward(model):
@@ -32,10 +31,7 @@ def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_siz
                 progress: bool = False) -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
     model.eval()
-    out = []
-    for chunk in batched(contexts, batch_size, progress, desc="beam"):
-        out.extend(run_beam_search(_forward(model), _repeat_rows, _reorder, chunk, cfg))
-    return out
+    return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
 
 
 __all__ = ["BeamConfig", "beam_search"]

@@ -18,7 +18,7 @@ from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from .lora import LoRAEmbedding, assign_keep_grad, LoRALinear, LoRAMergedLinear
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

@@ -7,18 +7,16 @@ progress=False) -> list[list[int]]`` (generated tokens per context).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from lora_core.beam import BeamConfig, run_beam_search
-from lora_core.progress import batched
+from lora_core.beam import BeamConfig, beam_search_batched
 
 
 def _forward(model):
     @torch.no_grad()
     def forward(ids, past, mask):
         h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
-        return model.lm_logits(h[:, -1]).numpy(), past
+        return model.lm_logits(h[:, -1]).cpu().numpy(), past
     return forward
 
 
@@ -27,7 +25,7 @@ def _repeat_rows(past, n):
 
 
 def _reorder(past, rows):
-    idx = torch.from_numpy(rows)
+    idx = torch.from_numpy(rows).to(past[0][0].device)
     return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]
 
 
@@ -35,10 +33,7 @@ def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_siz
                 progress: bool = False) -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
     model.eval()
-    out = []
-    for chunk in batched(contexts, batch_size, progress, desc="beam"):
-        out.extend(run_beam_search(_forward(model), _repeat_rows, _reorder, chunk, cfg))
-    return out
+    return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
 
 
 __all__ = ["BeamConfig", "beam_search"]

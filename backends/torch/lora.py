@@ -39,7 +39,7 @@ class LoRALinear(nn.Module):
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.mask_source is not None and self.training and self.p > 0:
-            return x * torch.from_numpy(self.mask_source.mask(tuple(x.shape), self.p))
+            return x * torch.from_numpy(self.mask_source.mask(tuple(x.shape), self.p)).to(x.device)
         return self.lora_dropout(x)
 
     def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

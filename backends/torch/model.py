@@ -102,7 +102,8 @@ class GPT2LMModel(nn.Module):
     def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
                position_ids=None) -> tuple[torch.Tensor, Past]:
         """Final hidden states (B, T, E) and the new KV cache (per layer (k, v), (B, nh, T_all, hs))."""
-        input_ids = _tensor(input_ids)
+        dev = self.wte.weight.device  # inputs follow the model (CPU or a GPU after model.to(...))
+        input_ids = _tensor(input_ids).to(dev)
         B, T = input_ids.shape
         t_past = 0 if past is None else past[0][0].shape[2]
         if t_past + T > self.config.n_positions:
@@ -110,8 +111,8 @@ class GPT2LMModel(nn.Module):
         mask = None if attention_mask is None else _np(attention_mask)
         if position_ids is None:
             position_ids = positions(mask, B, T, t_past)
-        bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past))
-        x = self.drop(self.wte(input_ids) + self.wpe(_tensor(position_ids)))
+        bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past)).to(dev)
+        x = self.drop(self.wte(input_ids) + self.wpe(_tensor(position_ids).to(dev)))
         present = []
         for i, block in enumerate(self.h):
             x, kv = block(x, None if past is None else past[i], bias)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 def _gather_hidden(model, batch):
     ids = torch.from_numpy(batch["input_ids"])
     h, _ = model.hidden(ids)
-    h = h.reshape(-1, h.shape[-1]).index_select(0, torch.from_numpy(batch["loss_index"]))  # (N, E)
-    return model.lm_logits(h), torch.from_numpy(batch["targets"])
+    dev = h.device
+    h = h.reshape(-1, h.shape[-1]).index_select(0, torch.from_numpy(batch["loss_index"]).to(dev))  # (N, E)
+    return model.lm_logits(h), torch.from_numpy(batch["targets"]).to(dev)
 
 
 def manual_seed(seed: int) -> None:

@@ -54,7 +54,7 @@ def prepare_data(out: Path, data_dir: Path | None):
     return tok, recs, name
 
 
-def pretrain_base(tok, records: list[dict], steps: int, preset: str, seed: int = 0) -> tuple:
+def pretrain_base(tok, records: list[dict], steps: int, preset: str, seed: int = 0, progress: bool = True) -> tuple:
     """Full fine-tuning of a random tiny GPT-2 as a plain LM on ``MR => text`` documents (torch)."""
     bt = lc.get_backend("torch")
     cfg = lc.gpt2_config(preset, vocab_size=tok.vocab_size)
@@ -64,7 +64,7 @@ def pretrain_base(tok, records: list[dict], steps: int, preset: str, seed: int =
     docs = [(d[:1], d[1:]) for d in docs]
     rng = np.random.default_rng(seed)
     from tqdm import tqdm
-    bar = tqdm(range(steps), desc="pre-train base (torch)", unit="step")
+    bar = tqdm(range(steps), desc="pre-train base (torch)", unit="step", disable=not progress)
     for s in bar:
         idx = rng.choice(len(docs), 16, replace=False)
         out = bt.train_step(model, opt, [collate([docs[i] for i in idx])], lc.lr_at(s, 3e-3, 30, steps))
