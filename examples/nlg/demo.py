@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def pretrain_base(tok, records: list[dict], steps: int, preset: str, seed: int =
 def run_backend(name: str, out: Path, cfg, base: dict, tok, train_ex, valid_ex, test_contexts, recipe) -> dict:
     """LoRA training and beam search in one backend; returns timings and outputs."""
     backend = lc.get_backend(name)
+    shutil.rmtree(out / name, ignore_errors=True)  # the demo's own run folder from an earlier call
     model = backend.build_model(cfg, recipe.train.lora_config(), base)
     t0 = time.time()
     result = train(backend, model, train_ex, valid_ex, recipe.train, out / name, base_note="demo base")

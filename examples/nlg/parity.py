@@ -2,10 +2,12 @@
 
     python -m examples.nlg.parity --data-dir ../shared/data --steps 200 --test-mrs 50 [--dropout 0.1]
 
-A small base is made first (no pretrained GPT-2 can be downloaded): a ``tiny`` GPT-2 with
-the GPT-2 vocabulary, pre-trained (torch, full fine-tuning, ``--pretrain-steps``) as a plain
-LM on ``MR => text`` documents of the first E2E training examples, as the demo does; a
-random base would emit eos at once and make identical beams vacuous. From that base, the
+A small base is made first (no pretrained GPT-2 can be downloaded): a byte-level BPE of
+``--vocab-size`` tokens trained on the E2E training texts (``lora_core.toy.train_toy_tokenizer``;
+with GPT-2's 50,257 tokens a CPU cannot pre-train a useful base in minutes) and the
+``demo``-size GPT-2 pre-trained (torch, full fine-tuning, ``--pretrain-steps``) as a plain
+LM on ``MR => text`` documents of the first E2E training examples, as the demo does. A
+random or barely trained base emits eos at once, which would make identical beams vacuous. From that base, the
 same seeded LoRA init and the same data order, both backends train ``--steps`` LoRA updates on
 the other E2E examples (with ``--dropout`` > 0 the LoRA dropout masks come from one shared numpy stream:
 ``dropout_masks=numpy``), then beam-decode ``--test-mrs`` test MRs. Prints and writes
@@ -18,23 +20,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import lora_core as lc
 from lora_core.data import convert_e2e, group_references
 from lora_core.recipes import get_recipe
 from lora_core.tokenizer import encode_file, load_tokenizer
+from lora_core.toy import train_toy_tokenizer
 from lora_core.trainer import read_log, train
 
 from .beam import decode_contexts
 from .demo import pretrain_base
 
 
-def run(data_dir: Path, out: Path, steps: int, test_mrs: int, dropouts=(0.0,), n_pre: int = 3000,
-        pretrain_steps: int = 60, preset: str = "tiny", progress: bool = True) -> list[dict]:
-    """One report per dropout value (the base is pre-trained once)."""
-    tok = load_tokenizer(data_dir / "gpt2-vocab")
+def run(data_dir: Path, out: Path, steps: int, test_mrs: int, dropouts=(0.0,), n_pre: int = 3500,
+        pretrain_steps: int = 400, preset: str = "demo", vocab_size: int = 1024, progress: bool = True) -> list[dict]:
+    """One report per dropout value (the tokenizer and base are made once)."""
     recs = convert_e2e(data_dir / "e2e" / "train.txt")
+    texts = [t for r in recs for t in (r["context"], " " + r["completion"])]
+    out.mkdir(parents=True, exist_ok=True)
+    train_toy_tokenizer(texts, vocab_size).save(str(out / "tokenizer.json"))
+    tok = load_tokenizer(out / "tokenizer.json")
     groups = group_references(convert_e2e(data_dir / "e2e" / "test.txt"))[:test_mrs]
     enc = encode_file(tok, recs[n_pre:])
     cfg, base = pretrain_base(tok, recs[:n_pre], pretrain_steps, preset, progress=progress)
@@ -42,6 +49,8 @@ def run(data_dir: Path, out: Path, steps: int, test_mrs: int, dropouts=(0.0,), n
 
 
 def _compare(tok, cfg, base, enc, groups, out: Path, steps: int, dropout: float, progress: bool) -> dict:
+    for name in ("torch", "jittor"):  # this command's own run folders from an earlier call
+        shutil.rmtree(out / name, ignore_errors=True)
     recipe = get_recipe("e2e-medium")
     tcfg = dataclasses.replace(recipe.train, max_steps=steps, lr=1e-3, warmup=20, lora_dropout=dropout,
                                dropout_masks="numpy", eval_every=0, save_every=0, log_every=1, seed=1)
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--test-mrs", type=int, default=50)
     p.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
-    p.add_argument("--pretrain-steps", type=int, default=60)
+    p.add_argument("--pretrain-steps", type=int, default=400)
     a = p.parse_args(argv)
     reps = run(a.data_dir, a.out, a.steps, a.test_mrs, a.dropout, pretrain_steps=a.pretrain_steps)
     print(json.dumps(reps, indent=2))
