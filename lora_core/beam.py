@@ -43,12 +43,14 @@ class BeamConfig:
             raise ValueError(f"BeamConfig.repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    """Per-row ``log(sum(exp(x)))`` (max-shifted), shape (rows,)."""
     m = x.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     z = x - m
+    np.exp(z, out=z)
     with np.errstate(divide="ignore"):
-        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+        return (m + np.log(z.sum(-1, keepdims=True)))[:, 0]
 
 
 def banned_ngram_tokens(history: np.ndarray, n: int) -> list[list[int]]:
@@ -103,15 +105,17 @@ class BeamSearch:
             cache with it) and the token it appends, both (B*beam,) int64.
         """
         B, k = self.B, self.k
-        logp = log_softmax(postprocess(logits, self.history, self.step_index, self.cfg))
-        V = logp.shape[-1]
+        x = postprocess(logits, self.history, self.step_index, self.cfg)  # (B*k, V)
+        lse = logsumexp(x)  # log-probs are x - lse: only the candidates' are formed
+        V = x.shape[-1]
         if self.step_index == 0:  # all beams hold the same prompt: candidates of beam 0 only
-            first = logp.reshape(B, k, V)[:, 0, :]
+            first = x.reshape(B, k, V)[:, 0, :]
             index = row_topk(first, k)  # (B, k) tokens
-            cand = np.take_along_axis(first, index, 1).astype(np.float64)
+            cand = (np.take_along_axis(first, index, 1) - lse[::k, None]).astype(np.float64)
         else:  # the global top k of beam x vocab is among each beam's own top k
-            part = row_topk(logp, min(k, V))  # (B*k, kk) tokens
-            cand = (self.scores.reshape(-1, 1) + np.take_along_axis(logp, part, 1)).reshape(B, -1)
+            part = row_topk(x, min(k, V))  # (B*k, kk) tokens
+            logp = np.take_along_axis(x, part, 1) - lse[:, None]
+            cand = (self.scores.reshape(-1, 1) + logp).reshape(B, -1)
             index = (part + (np.arange(B * k) % k)[:, None] * V).reshape(B, -1)
         top = _topk(cand, index, k)  # (B, k) positions in cand, by score then flat index
         self.scores = np.take_along_axis(cand, top, 1)
@@ -144,24 +148,44 @@ class BeamSearch:
         return [b if b is not None else [] for b in self.best]
 
 
-def row_topk(x: np.ndarray, k: int, stride: int = 64) -> np.ndarray:
+def _n_blocks(n: int, target: int = 64) -> int:
+    """A divisor of ``n`` near ``n / target`` (rows then reshape into strided blocks without a copy)."""
+    divisors = [d for d in range(max(1, n // 256), n // 16 + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(n // d - target)) if divisors else 0
+
+
+def row_topk(x: np.ndarray, k: int) -> np.ndarray:
     """Column indices of the k largest per row, by value descending then index ascending.
 
-    Exact and faster than ``argpartition`` on wide rows: the k-th largest of a strided
-    subsample bounds the row's k-th largest from below, so only entries >= that bound are
-    sorted (ties included).
+    Exact, and faster than ``argpartition`` on wide rows: columns are grouped into ``nb``
+    strided blocks (block j = columns j, j + nb, ...); every block whose maximum reaches the
+    k-th largest block maximum is kept (k blocks, more on ties), and since any other block
+    is beaten by k blocks' maxima, the k largest entries lie in the kept ones.
     """
     rows, n = x.shape
-    if n <= k * stride:
-        bound = np.full(rows, -np.inf, dtype=x.dtype)
+    nb = _n_blocks(n)
+    if nb <= k:
+        cols = np.broadcast_to(np.arange(n), (rows, n))
     else:
-        sub = x[:, ::stride]
-        bound = np.partition(sub, sub.shape[1] - k, axis=1)[:, sub.shape[1] - k]
-    r, c = np.nonzero(x >= bound[:, None])
-    order = np.lexsort((c, -x[r, c], r))  # by row, then value descending, then index
-    r, c = r[order], c[order]
-    starts = np.searchsorted(r, np.arange(rows))
-    return c[starts[:, None] + np.arange(k)[None, :]]
+        bmax = x.reshape(rows, n // nb, nb).max(1)  # (rows, nb): max over each strided block
+        part = np.argpartition(bmax, nb - k, axis=1)[:, nb - k:]
+        kth = np.take_along_axis(bmax, part, 1).min(1)
+        counts = (bmax >= kth[:, None]).sum(1)
+        if (counts == k).all():  # no ties at the boundary: the argpartition blocks are the kept ones
+            blocks = part
+        else:  # keep every tied block; rows with fewer repeat their last block (repeats dropped below)
+            kept = [np.flatnonzero(bm >= t) for bm, t in zip(bmax, kth)]
+            blocks = np.array([np.concatenate([b, np.full(counts.max() - len(b), b[-1])]) for b in kept])
+        cols = (blocks[:, :, None] + nb * np.arange(n // nb)).reshape(rows, -1)
+    vals = np.take_along_axis(x, cols, 1)
+    ranked = np.take_along_axis(cols, np.lexsort((cols, -vals), axis=-1), 1)
+    if nb <= k or (counts == k).all():
+        return ranked[:, :k]
+    out = np.empty((rows, k), dtype=np.int64)
+    for r, row in enumerate(ranked):  # drop the repeated columns of filler blocks
+        _, first = np.unique(row, return_index=True)
+        out[r] = row[np.sort(first)][:k]
+    return out
 
 
 def _topk(x: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:

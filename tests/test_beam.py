@@ -66,3 +66,23 @@ def test_batched_equals_single_and_backends_agree(backend, tiny):
     assert batched == [backend.beam_search(m, [c], bc)[0] for c in ctxs]
     assert all(0 < len(r) <= 10 for r in batched)
     assert batched == other.beam_search(other.build_model(cfg, None, base), ctxs, bc, batch_size=5)
+
+
+@pytest.mark.parametrize("n", [50257, 512, 30, 1031])
+def test_row_topk_exact_with_ties(n):
+    """The blocked top-k equals a full sort (value descending, index ascending), ties included."""
+    from lora_core.beam import row_topk
+
+    rng = np.random.default_rng(n)
+
+    def full_sort(x, k):
+        return np.array([np.lexsort((np.arange(x.shape[1]), -row))[:k] for row in x])
+
+    x = rng.normal(size=(12, n)).astype(np.float32)
+    x[3, 10:20] = 10
+    x[3, 5] = 10
+    tied = np.full((3, n), -np.inf, np.float32)
+    tied[:, n - 7:] = 1
+    tied[1, 7] = 1
+    for a in (x, np.round(x, 1), tied):
+        assert (row_topk(a, 10) == full_sort(a, 10)).all()
