@@ -331,6 +331,16 @@ def run_all(args) -> dict:
     return raw
 
 
+def code_version() -> str:
+    """``git describe`` of the code measured (``-dirty`` if the tree has edits), or ``unknown``."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = ["git", "-C", str(root), "describe", "--always", "--dirty"]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def medians(runs: list[dict]) -> dict:
     keys = ("train_ex_s", "train_tok_s", "train_rss_mb", "train_phase_rss_mb", "beam_s_ex", "gen_len", "beam_rss_mb")
     return {k: statistics.median(r[k] for r in runs if k in r) if any(k in r for r in runs) else None for k in keys}
@@ -436,13 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     for need in ("e2e/train.txt", "e2e/test.txt", "gpt2-vocab"):
         if not (args.data_dir / need).exists():
             p.error(f"--data-dir {args.data_dir}: {need} is missing")
-    t0 = time.perf_counter()
+    t0, version = time.perf_counter(), code_version()
     raw = run_all(args)
     table, summary = summarise(raw, args)
     print(table.lstrip("\n"))
-    print(f"\n(total {time.perf_counter() - t0:.0f} s; command: python -m examples.nlg.bench {' '.join(argv)})")
+    print(
+        f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.nlg.bench {' '.join(argv)})"
+    )
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
+        settings["code"] = version
         args.json.write_text(json.dumps({"settings": settings, "raw": raw, "summary": summary}, indent=1))
     errors = any(k.endswith("_error") for by in raw.values() for runs in by.values() for r in runs for k in r)
     return 1 if errors else 0
