@@ -105,6 +105,9 @@ class BeamSearch:
             cache with it) and the token it appends, both (B*beam,) int64.
         """
         B, k = self.B, self.k
+        if np.isnan(logits).any():
+            raise FloatingPointError(f"beam search step {self.step_index}: the model returned NaN logits "
+                                     f"(rows {np.flatnonzero(np.isnan(logits).any(1))[:10].tolist()})")
         x = postprocess(logits, self.history, self.step_index, self.cfg)  # (B*k, V)
         lse = logsumexp(x)  # log-probs are x - lse: only the candidates' are formed
         V = x.shape[-1]

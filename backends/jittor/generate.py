@@ -24,7 +24,10 @@ def _repeat_rows(past, n):
 
 def _reorder(past, rows):
     idx = jt.array(rows)
-    return [(k[idx], v[idx]) for k, v in past]
+    past = [(k[idx], v[idx]) for k, v in past]
+    jt.sync([t for kv in past for t in kv])
+    jt.gc()  # the cache grows every step: without this the allocator keeps a block per size (5.3 -> 2.9 GB)
+    return past
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,

@@ -5,7 +5,9 @@
 
 Steps (output folder ``--out``, default ``runs/demo``):
 1. Data: the toy restaurant set (``lora_core.toy``: E2E format, its own byte-level BPE) or
-   E2E from ``--data-dir``; formatted JSONL files are written to ``OUT/data``.
+   E2E from ``--data-dir`` with a 1,024-token byte-level BPE trained on its training texts
+   (GPT-2's 50,257-token head would make the self-made base too slow to pre-train on a
+   CPU); formatted JSONL files are written to ``OUT/data``.
 2. A small GPT-2 base, made here (no pretrained weights can be downloaded): a tiny GPT-2
    pre-trained with full fine-tuning on the first half of the training MRs in another
    layout, ``bpe(MR + " => " + text) + [eos]``. It stands in for GPT-2's pre-training; it
@@ -35,7 +37,7 @@ from lora_core.data import convert_e2e, group_references, write_jsonl_atomic, wr
 from lora_core.decode import make_eval_files
 from lora_core.recipes import get_recipe
 from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset
+from lora_core.toy import make_toy_dataset, train_toy_tokenizer
 from lora_core.trainer import read_log, train
 
 from .beam import decode_contexts, write_beam_jsonl
@@ -44,12 +46,16 @@ from .beam import decode_contexts, write_beam_jsonl
 def prepare_data(out: Path, data_dir: Path | None):
     """Tokenizer and formatted records: toy set made here, or E2E from ``data_dir``."""
     if data_dir is None:
-        paths = make_toy_dataset(out / "data")
-        tok, name = load_tokenizer(out / "data"), "toy"
-    else:
-        paths = {s: data_dir / "e2e" / f"{s}.txt" for s in ("train", "valid", "test")}
-        tok, name = load_tokenizer(data_dir / "gpt2-vocab"), "e2e"
+        paths, name = make_toy_dataset(out / "data"), "toy"
+        tok = load_tokenizer(out / "data")
+    else:  # a small BPE trained on E2E: a CPU cannot pre-train a 50,257-token base in minutes
+        paths, name = {s: data_dir / "e2e" / f"{s}.txt" for s in ("train", "valid", "test")}, "E2E"
     recs = {s: convert_e2e(paths[s]) for s in ("train", "valid", "test")}
+    if data_dir is not None:
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        texts = [t for r in recs["train"] for t in (r["context"], " " + r["completion"])]
+        train_toy_tokenizer(texts, 1024).save(str(out / "data" / "tokenizer.json"))
+        tok = load_tokenizer(out / "data" / "tokenizer.json")
     for s, r in recs.items():
         write_jsonl_atomic(out / "data" / f"{s}_formatted.jsonl", r)
     return tok, recs, name
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="torch,jittor")
     p.add_argument("--pretrain-steps", type=int, default=500)
     p.add_argument("--steps", type=int, default=300, help="LoRA training steps per backend")
-    p.add_argument("--test-limit", type=int, default=50, help="test MRs to decode")
+    p.add_argument("--test-limit", type=int, default=50, help="test MRs to decode (0: all)")
     p.add_argument("--preset", default="demo", help="GPT-2 size preset for the base")
     a = p.parse_args(argv)
     t_start = time.time()
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=a.steps),
                                  beam=dataclasses.replace(recipe.beam, stop_ids=tok.stop_ids))
     enc = {s: encode_file(tok, r) for s, r in recs.items()}
-    groups = group_references(recs["test"])[: a.test_limit]
+    groups = group_references(recs["test"])[: a.test_limit or None]
     test_records = [{"context": g.context, "completion": ref} for g in groups for ref in g.references]
     runs, scores = {}, {}
     for name in a.backends.split(","):
