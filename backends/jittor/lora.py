@@ -10,6 +10,7 @@ from __future__ import annotations
 import jittor as jt
 from jittor import nn
 
+from lora_core.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
 from lora_core.naming import LORA_MARK, adapter_names
 
 
@@ -140,34 +141,11 @@ class LoRAEmbedding(nn.Module):
     unmerge = LoRALinear.unmerge
 
 
-def _lora_layers(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
-
-
-def set_dropout_source(model: nn.Module, source) -> None:
-    """Parity mode: LoRA dropout masks from ``source``; ``None`` restores jittor's dropout."""
-    for m in _lora_layers(model):
-        if isinstance(m, LoRALinear):
-            m.mask_source = source
-
-
-def merge_lora(model: nn.Module) -> None:
-    """Merge every LoRA layer (idempotent)."""
-    for m in _lora_layers(model):
-        m.merge()
-
-
-def unmerge_lora(model: nn.Module) -> None:
-    """Undo ``merge_lora`` (idempotent)."""
-    for m in _lora_layers(model):
-        m.unmerge()
-
-
 def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze all but ``lora_`` parameters and the biases ``bias`` selects."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
-    lora_biases = {id(m.bias) for m in _lora_layers(model) if getattr(m, "bias", None) is not None}
+    lora_biases = {id(m.bias) for m in lora_layers(model) if getattr(m, "bias", None) is not None}
     for name, p in model.named_parameters():
         p.requires_grad = (LORA_MARK in name or (bias == "all" and name.endswith(".bias"))
                            or (bias == "lora_only" and id(p) in lora_biases))
@@ -187,3 +165,7 @@ def lora_state_dict(model: nn.Module) -> dict:
     """numpy copies of the adapter: ``lora_`` tensors and the biases the LoRA config trains."""
     names = adapter_names(model)
     return {n: p.numpy().copy() for n, p in model.named_parameters() if n in names}
+
+
+__all__ = ["LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "count_trainable", "lora_state_dict",
+           "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "trainable_parameters", "unmerge_lora"]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_core.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
 from lora_core.naming import LORA_MARK, adapter_names
 
 
@@ -127,41 +128,8 @@ class LoRAEmbedding(nn.Module):
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B @ self.lora_A).t() * self.scaling
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        if self.r and not self.merged:
-            self.weight += self.delta_weight()
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if self.r and self.merged:
-            self.weight -= self.delta_weight()
-            self.merged = False
-
-
-def _lora_layers(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r]
-
-
-def set_dropout_source(model: nn.Module, source) -> None:
-    """Parity mode: LoRA dropout masks come from ``source`` (``lora_core.dropout.NumpyDropout``);
-    ``None`` goes back to the framework's dropout."""
-    for m in _lora_layers(model):
-        if isinstance(m, LoRALinear):
-            m.mask_source = source
-
-
-def merge_lora(model: nn.Module) -> None:
-    """Merge every LoRA layer of ``model`` (idempotent)."""
-    for m in _lora_layers(model):
-        m.merge()
-
-
-def unmerge_lora(model: nn.Module) -> None:
-    """Undo ``merge_lora`` (idempotent)."""
-    for m in _lora_layers(model):
-        m.unmerge()
+    merge = LoRALinear.merge
+    unmerge = LoRALinear.unmerge
 
 
 def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
@@ -172,7 +140,7 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     for name, p in model.named_parameters():
         p.requires_grad_(LORA_MARK in name or (bias == "all" and name.endswith(".bias")))
     if bias == "lora_only":
-        for m in _lora_layers(model):
+        for m in lora_layers(model):
             if getattr(m, "bias", None) is not None:
                 m.bias.requires_grad_(True)
 
@@ -191,3 +159,7 @@ def lora_state_dict(model: nn.Module) -> dict:
     """numpy copies of the adapter: ``lora_`` tensors and the biases the LoRA config trains."""
     names = adapter_names(model)
     return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters() if n in names}
+
+
+__all__ = ["LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "count_trainable", "lora_state_dict",
+           "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "trainable_parameters", "unmerge_lora"]

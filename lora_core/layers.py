@@ -1,0 +1,32 @@
+"""Model-wide LoRA switches shared by the backends (they only walk ``model.modules()``).
+
+A LoRA layer is any module with ``r > 0`` and ``merge``/``unmerge`` methods (the backends'
+``LoRALinear``, ``LoRAMergedLinear``, ``LoRAEmbedding``); peft-style explicit merging.
+"""
+
+from __future__ import annotations
+
+
+def lora_layers(model) -> list:
+    """The model's LoRA layers that have an update (``r > 0``), in module order."""
+    return [m for m in model.modules() if getattr(m, "r", 0) and callable(getattr(m, "merge", None))]
+
+
+def merge_lora(model) -> None:
+    """Merge every LoRA layer of ``model`` into its weight (idempotent; outputs unchanged)."""
+    for m in lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model) -> None:
+    """Undo ``merge_lora`` (idempotent)."""
+    for m in lora_layers(model):
+        m.unmerge()
+
+
+def set_dropout_source(model, source) -> None:
+    """Parity mode: LoRA dropout masks come from ``source`` (``lora_core.dropout.NumpyDropout``);
+    ``None`` goes back to the framework's dropout."""
+    for m in lora_layers(model):
+        if hasattr(m, "mask_source"):
+            m.mask_source = source
