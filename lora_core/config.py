@@ -127,13 +127,14 @@ class GPT2Config:
 
     @classmethod
     def from_hf_json(cls, path: str) -> GPT2Config:
-        """Read an HF ``config.json`` (keys we do not model are ignored: they are HF bookkeeping)."""
+        """The architecture from an HF ``config.json``. Its dropouts (0.1 in OpenAI's GPT-2
+        configs) are not taken: the LoRA paper's code trains with them at 0, our default."""
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-        keys = {f.name for f in dataclasses.fields(cls)}
         if d.get("model_type", "gpt2") != "gpt2":
             raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not gpt2")
-        return cls(**{k: v for k, v in d.items() if k in keys})
+        keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
+        return cls(**{k: d[k] for k in keys if k in d})
 
 
 # Model sizes in one table (HF / OpenAI GPT-2; tiny ones for tests and the demo).

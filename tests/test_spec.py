@@ -169,3 +169,12 @@ def test_adapter_with_missing_tensor_is_refused(tmp_path):
     save_file(t, str(tmp_path / "ad" / "adapter.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing keys \(1\): \['h.1.attn.c_attn.lora_B'\]"):
         lc.load_adapter(tmp_path / "ad")
+
+
+def test_hf_config_json_gives_architecture_and_paper_dropouts(tmp_path):
+    """OpenAI's configs say dropout 0.1; the paper's code trains GPT-2 with them at 0."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 1024, "n_layer": 24,
+        "n_head": 16, "layer_norm_epsilon": 1e-5, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
+        "activation_function": "gelu_new"}))
+    assert lc.GPT2Config.from_hf_json(str(tmp_path / "config.json")) == lc.PRESETS["gpt2-medium"]
