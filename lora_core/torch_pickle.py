@@ -53,26 +53,34 @@ def _rebuild_parameter(data, *_args):
 
 
 class _Unpickler(pickle.Unpickler):
-    _ALLOWED = {
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    }
+    """Resolves only what a tensor state dict needs; tensors are built by ``rebuild``."""
 
-    def __init__(self, f, load_storage):
+    def __init__(self, f, load_storage, rebuild=_rebuild_tensor):
         super().__init__(f)
         self._load_storage = load_storage
+        self._classes = {
+            ("collections", "OrderedDict"): collections.OrderedDict,
+            ("torch._utils", "_rebuild_tensor_v2"): rebuild,
+            ("torch._utils", "_rebuild_tensor"): rebuild,
+            ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        }
 
     def find_class(self, module, name):
-        if (module, name) in self._ALLOWED:
-            return self._ALLOWED[(module, name)]
+        if (module, name) in self._classes:
+            return self._classes[(module, name)]
         if module == "torch" and name in _DTYPES:
             return name
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a tensor state dict")
 
     def persistent_load(self, pid):
         return self._load_storage(pid)
+
+
+class _Deferred:
+    """A tensor of the legacy format, built once its storage bytes (after the pickle) are read."""
+
+    def __init__(self, args):
+        self.args = args
 
 
 def _load_zip(path: str) -> dict:
@@ -112,13 +120,7 @@ def _load_legacy(path: str) -> dict:
                 return vs
             return storages[key]
 
-        up = _Unpickler(f, load_storage)
-        # tensors are rebuilt after the storages are read: defer by rebuilding lazily
-        deferred = []
-        up._ALLOWED = dict(up._ALLOWED)
-        up._ALLOWED[("torch._utils", "_rebuild_tensor_v2")] = lambda *a: deferred.append(a) or ("__deferred__", len(deferred) - 1)
-        up._ALLOWED[("torch._utils", "_rebuild_tensor")] = up._ALLOWED[("torch._utils", "_rebuild_tensor_v2")]
-        obj = up.load()
+        obj = _Unpickler(f, load_storage, rebuild=lambda *args: _Deferred(args)).load()
         keys = pickle.load(f)
         for key in keys:
             st = storages[key]
@@ -127,14 +129,14 @@ def _load_legacy(path: str) -> dict:
             st.array = _as_array(f.read(n * itemsize), st.dtype)
         for vs, base, off, size in views:
             vs.array = base.array[off:off + size]
-    return _resolve(obj, [_rebuild_tensor(*a) for a in deferred])
+    return _resolve(obj)
 
 
-def _resolve(obj, tensors):
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__deferred__":
-        return tensors[obj[1]]
+def _resolve(obj):
+    if isinstance(obj, _Deferred):
+        return _rebuild_tensor(*obj.args)
     if isinstance(obj, dict):
-        return type(obj)((k, _resolve(v, tensors)) for k, v in obj.items())
+        return type(obj)((k, _resolve(v)) for k, v in obj.items())
     return obj
 
 
