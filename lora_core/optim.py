@@ -53,3 +53,20 @@ def adamw_reference(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, 
     if cfg.weight_decay > 0:
         p = p - lr * cfg.weight_decay * p
     return p, m, v
+
+
+def pack_state(m: dict[str, np.ndarray], v: dict[str, np.ndarray], t: int) -> dict[str, np.ndarray]:
+    """Optimizer state as one flat numpy dict (``m.<name>``, ``v.<name>``, ``t``) for checkpoints."""
+    out = {f"m.{n}": a for n, a in m.items()}
+    out.update({f"v.{n}": a for n, a in v.items()})
+    out["t"] = np.array(t, dtype=np.int64)
+    return out
+
+
+def unpack_state(names, state: dict[str, np.ndarray]) -> tuple[dict, dict, int]:
+    """Inverse of ``pack_state`` for the parameters ``names``; refuses missing or extra keys."""
+    expected = {f"{k}.{n}" for n in names for k in ("m", "v")} | {"t"}
+    if set(state) != expected:
+        raise ValueError(f"optimizer state keys differ: missing {sorted(expected - set(state))}, "
+                         f"unexpected {sorted(set(state) - expected)}")
+    return {n: state[f"m.{n}"] for n in names}, {n: state[f"v.{n}"] for n in names}, int(state["t"])

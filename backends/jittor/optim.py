@@ -6,7 +6,7 @@ from __future__ import annotations
 import jittor as jt
 import numpy as np
 
-from lora_core.optim import AdamWConfig, step_size
+from lora_core.optim import AdamWConfig, pack_state, step_size, unpack_state
 
 from .lora import assign_keep_grad
 
@@ -69,17 +69,12 @@ class AdamW:
         return {n: g.numpy().copy() for n, g in self._grads().items()}
 
     def state_numpy(self) -> dict:
-        out = {f"m.{n}": t.numpy().copy() for n, t in self.m.items()}
-        out.update({f"v.{n}": t.numpy().copy() for n, t in self.v.items()})
-        out["t"] = np.array(self.t, dtype=np.int64)
-        return out
+        """Moments and step count as one flat numpy dict (``lora_core.optim.pack_state``)."""
+        return pack_state({n: t.numpy().copy() for n, t in self.m.items()},
+                          {n: t.numpy().copy() for n, t in self.v.items()}, self.t)
 
     def load_state_numpy(self, state: dict) -> None:
-        expected = {f"{k}.{n}" for n in self.params for k in ("m", "v")} | {"t"}
-        if set(state) != expected:
-            raise ValueError(f"optimizer state keys differ: missing {sorted(expected - set(state))}, "
-                             f"unexpected {sorted(set(state) - expected)}")
+        m, v, self.t = unpack_state(list(self.params), state)
         for n in self.params:
-            self.m[n].update(jt.array(state[f"m.{n}"]))
-            self.v[n].update(jt.array(state[f"v.{n}"]))
-        self.t = int(state["t"])
+            self.m[n].update(jt.array(m[n]))
+            self.v[n].update(jt.array(v[n]))

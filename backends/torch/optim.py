@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lora_core.optim import AdamWConfig, step_size
+from lora_core.optim import AdamWConfig, pack_state, step_size, unpack_state
 
 
 class AdamW:
@@ -62,20 +62,14 @@ class AdamW:
     def grads_numpy(self) -> dict[str, np.ndarray]:
         return {n: g.detach().cpu().numpy().copy() for n, g in self._grads().items()}
 
-    def state_numpy(self) -> dict[str, np.ndarray]:
-        """Moments as numpy (``m.<name>``, ``v.<name>``) and the step count ``t``."""
-        out = {f"m.{n}": t.cpu().numpy().copy() for n, t in self.m.items()}
-        out.update({f"v.{n}": t.cpu().numpy().copy() for n, t in self.v.items()})
-        out["t"] = np.array(self.t, dtype=np.int64)
-        return out
+    def state_numpy(self) -> dict:
+        """Moments and step count as one flat numpy dict (``lora_core.optim.pack_state``)."""
+        return pack_state({n: t.cpu().numpy().copy() for n, t in self.m.items()},
+                          {n: t.cpu().numpy().copy() for n, t in self.v.items()}, self.t)
 
     @torch.no_grad()
-    def load_state_numpy(self, state: dict[str, np.ndarray]) -> None:
-        expected = {f"{k}.{n}" for n in self.params for k in ("m", "v")} | {"t"}
-        if set(state) != expected:
-            raise ValueError(f"optimizer state keys differ: missing {sorted(expected - set(state))}, "
-                             f"unexpected {sorted(set(state) - expected)}")
+    def load_state_numpy(self, state: dict) -> None:
+        m, v, self.t = unpack_state(list(self.params), state)
         for n in self.params:
-            self.m[n].copy_(torch.from_numpy(state[f"m.{n}"]))
-            self.v[n].copy_(torch.from_numpy(state[f"v.{n}"]))
-        self.t = int(state["t"])
+            self.m[n].copy_(torch.from_numpy(m[n]))
+            self.v[n].copy_(torch.from_numpy(v[n]))
