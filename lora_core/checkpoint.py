@@ -255,7 +255,8 @@ def resolve_pretrained(path: str | os.PathLike | None, lora: LoRAConfig | None =
     p = Path(path)
     if (p / MODEL_CONFIG).is_file() and (p / MODEL_WEIGHTS).is_file() and _is_ours(p / MODEL_CONFIG):
         cfg, saved_lora, tensors = load_model(p)
-        base = {k: v for k, v in tensors.items() if k in base_shapes(cfg)}
+        names = base_shapes(cfg)
+        base = {k: v for k, v in tensors.items() if k in names}
         lora_w = {k: v for k, v in tensors.items() if k not in base} or None
         lora = lora or saved_lora
         if lora_w is not None and saved_lora != lora:
