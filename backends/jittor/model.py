@@ -8,6 +8,7 @@ unfreeze frozen base weights; trainability belongs to ``mark_only_lora_as_traina
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import jittor as jt
 import numpy as np
@@ -18,9 +19,41 @@ from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad, linear_decode, pack_weight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class KVCache:
+    """Keys and values of every layer with the beam reorder applied lazily (contract in
+    ``backends.torch.model.KVCache``): the next forward pass gathers the rows and appends
+    the new positions in one lazy expression. For inference: no gradient flows through it."""
+
+    def __init__(self, past, repeats: int = 1):
+        self.layers = [(k.detach().repeat_interleave(repeats, 0), v.detach().repeat_interleave(repeats, 0))
+                       for k, v in past]
+        self.length = past[0][0].shape[2]
+        self.rows = None  # pending reorder (numpy)
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Row ``j`` continues old row ``rows[j]`` (applied by the next forward pass)."""
+        if self.rows is not None:
+            rows = self.rows[rows]
+        self.rows = None if np.array_equal(rows, np.arange(len(rows))) else np.asarray(rows, dtype=np.int64)
+
+    def write(self, i: int, k: jt.Var, v: jt.Var):
+        """Layer ``i``'s cache (reordered) followed by the new keys/values ``k``, ``v``."""
+        old = self.layers[i]
+        if self.rows is not None:
+            idx = jt.array(self.rows)
+            old = (old[0][idx], old[1][idx])
+        self.layers[i] = (jt.concat([old[0], k.detach()], dim=2), jt.concat([old[1], v.detach()], dim=2))
+        return self.layers[i]
+
+    def advance(self, T: int) -> None:
+        """Called once every layer has written its ``T`` new positions."""
+        self.length += T
+        self.rows = None
 
 
 def gelu_tanh(x: jt.Var) -> jt.Var:
@@ -54,11 +87,18 @@ class Attention(nn.Module):
         qkv = self.c_attn(x)
         q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
                    for i in range(3))  # (B, nh, T, hs)
-        if past is not None:
+        if isinstance(past, tuple) and isinstance(past[0], KVCache):
+            k, v = past[0].write(past[1], k, v)
+        elif past is not None:
             k, v = jt.concat([past[0], k], dim=2), jt.concat([past[1], v], dim=2)
-        att = jt.matmul(q, k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
-        att = self.attn_dropout(nn.softmax(att, dim=-1))
-        y = jt.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, E)
+        if T == 1 and not self.is_training():  # one token against a cache: fused multiply-reduce,
+            att = (q * k).sum(-1).unsqueeze(2) * (1.0 / math.sqrt(hs)) + bias  # no transposed copy of k
+            att = nn.softmax(att, dim=-1)  # (B, nh, 1, T_all)
+            y = (att.transpose(0, 1, 3, 2) * v).sum(2).reshape(B, T, E)
+        else:
+            att = jt.matmul(q, k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
+            att = self.attn_dropout(nn.softmax(att, dim=-1))
+            y = jt.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, E)
         return self.resid_dropout(self.c_proj(y)), (k, v)
 
 
@@ -98,6 +138,25 @@ class GPT2LMModel(nn.Module):
         self.drop = _dropout(cfg.embd_pdrop)
         self.h = nn.ModuleList([Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.decode_head = None
+
+    @contextmanager
+    def decoding(self, rows: int = 80):
+        """Weights prepared for no-grad inference inside the block (see the torch backend):
+        each linear layer and the LM head use a materialised (in, out) copy of their weight
+        with the LoRA update added. The parameters are untouched."""
+        linears = [m for m in self.modules() if isinstance(m, LoRALinear)]
+        try:
+            with jt.no_grad():
+                for m in linears:
+                    m.decode_weight = pack_weight(m.merged_weight(), rows)
+                head = self.wte.weight + self.wte.delta_weight() if self.wte.r and not self.wte.merged else self.wte.weight
+                self.decode_head = pack_weight(head, rows)
+            yield self
+        finally:
+            for m in linears:
+                m.decode_weight = None
+            self.decode_head = None
 
     def train(self):
         for m in self.modules():
@@ -113,7 +172,8 @@ class GPT2LMModel(nn.Module):
         """Final hidden states (B, T, E) and the new KV cache."""
         ids = _var(input_ids)
         B, T = ids.shape
-        t_past = 0 if past is None else past[0][0].shape[2]
+        cache = past if isinstance(past, KVCache) else None
+        t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
         if t_past + T > self.config.n_positions:
             raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
         mask = None if attention_mask is None else _np(attention_mask)
@@ -123,11 +183,16 @@ class GPT2LMModel(nn.Module):
         x = self.drop(self.wte(ids) + self.wpe(_var(position_ids)))
         present = []
         for i, block in enumerate(self.h):
-            x, kv = block(x, None if past is None else past[i], bias)
+            x, kv = block(x, None if past is None else (cache, i) if cache else past[i], bias)
             present.append(kv)
+        if cache:
+            cache.advance(T)
+            present = cache
         return self.ln_f(x), present
 
     def lm_logits(self, h):
+        if self.decode_head is not None:
+            return linear_decode(h, self.decode_head, None)
         w = self.wte.weight
         if self.wte.r and not self.wte.merged:
             w = w + self.wte.delta_weight()

@@ -17,7 +17,7 @@ from .lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from .model import GPT2LMModel
+from .model import GPT2LMModel, KVCache
 from .optim import AdamW
 from .train import eval_nll, lm_loss, manual_seed, train_step
 
@@ -35,7 +35,7 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
 
 
 __all__ = [
-    "NAME", "AdamW", "GPT2LMModel", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "beam_search",
+    "NAME", "AdamW", "GPT2LMModel", "KVCache", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "beam_search",
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
 ]

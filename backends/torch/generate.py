@@ -11,6 +11,8 @@ import torch
 
 from lora_core.beam import BeamConfig, beam_search_batched
 
+from .model import KVCache
+
 
 def _forward(model):
     @torch.no_grad()
@@ -21,19 +23,20 @@ def _forward(model):
 
 
 def _repeat_rows(past, n):
-    return [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in past]
+    return KVCache(past, n)
 
 
-def _reorder(past, rows):
-    idx = torch.from_numpy(rows).to(past[0][0].device)
-    return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]
+def _reorder(cache, rows):
+    cache.reorder(rows)
+    return cache
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
                 progress: bool = False) -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
     model.eval()
-    return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
+    with model.decoding(rows=batch_size * cfg.beam):
+        return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
 
 
 __all__ = ["BeamConfig", "beam_search"]

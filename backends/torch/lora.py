@@ -28,6 +28,7 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.mask_source = None  # a lora_core.dropout.NumpyDropout in parity mode
         self.merged = False
+        self.decode_weight = None  # set by GPT2LMModel.decoding(): merged, maybe pre-packed weight
         if r:
             self.lora_A = nn.Parameter(torch.zeros(self._n_slices() * r, in_features))
             self.lora_B = nn.Parameter(torch.zeros(self._slice_out() * self._n_slices(), r))
@@ -47,10 +48,16 @@ class LoRALinear(nn.Module):
         return base + (self._drop(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode_weight is not None:
+            return linear_decode(x, self.decode_weight, self.bias)
         y = F.linear(x, self.weight, self.bias)
         if self.r and not self.merged:
             y = self._lora_out(x, y)
         return y
+
+    def merged_weight(self) -> torch.Tensor:
+        """``W + scaling * B A`` (what a merged layer holds), without changing the layer."""
+        return self.weight + self.delta_weight() if self.r and not self.merged else self.weight
 
     def delta_weight(self) -> torch.Tensor:
         """``scaling * B A`` laid out like ``weight``."""
@@ -69,6 +76,27 @@ class LoRALinear(nn.Module):
         if self.r and self.merged:
             self.weight -= self.delta_weight()
             self.merged = False
+
+
+def pack_weight(w: torch.Tensor, rows: int) -> tuple[str, torch.Tensor]:
+    """A frozen (out, in) weight prepared for ``linear_decode``: pre-packed into oneDNN's
+    blocked layout on CPU (1.3-2.3x MKL's speed at beam-search sizes, one thread), the
+    plain weight elsewhere. ``rows`` is the expected number of input rows (a layout hint)."""
+    w = w.detach().contiguous()
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            return "onednn", torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        except (AttributeError, RuntimeError):  # a build without the op: plain matmul
+            pass
+    return "plain", w
+
+
+def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` with a weight from ``pack_weight`` (no autograd)."""
+    kind, w = packed
+    if kind == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
 
 
 class LoRAMergedLinear(LoRALinear):

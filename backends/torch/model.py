@@ -12,6 +12,8 @@ Contract (same in every backend):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,54 @@ from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCache:
+    """Keys and values of every layer, (rows, n_head, length, head_size) each, with the beam
+    reorder applied lazily: ``reorder`` only records the row order, and the next forward pass
+    gathers each layer's rows straight into the grown buffer (``index_select(out=...)``),
+    so a decoding step copies the cache once instead of twice (gather, then ``torch.cat``)
+    and attention reads contiguous keys and values.
+
+    ``KVCache(past, repeats)`` takes a list-of-(k, v) cache, each row repeated ``repeats``
+    times (the beams of one input). It is for inference: no gradient flows through it.
+    """
+
+    def __init__(self, past: Past, repeats: int = 1):
+        self.layers = [(k.detach().repeat_interleave(repeats, 0), v.detach().repeat_interleave(repeats, 0))
+                       for k, v in past]
+        self.length = past[0][0].shape[2]
+        self.rows: torch.Tensor | None = None  # pending reorder
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Row ``j`` continues old row ``rows[j]`` (applied by the next forward pass)."""
+        if self.rows is not None:
+            rows = self.rows.cpu().numpy()[rows]
+        identity = np.array_equal(rows, np.arange(len(rows)))
+        self.rows = None if identity else torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.layers[0][0].device)
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s cache (reordered) followed by the new keys/values ``k``, ``v``."""
+        n = self.length
+        grown = []
+        for old, new in zip(self.layers[i], (k.detach(), v.detach())):
+            buf = old.new_empty((new.shape[0], new.shape[1], n + new.shape[2], new.shape[3]))
+            if self.rows is None:
+                buf[:, :, :n] = old
+            else:
+                torch.index_select(old, 0, self.rows, out=buf[:, :, :n])
+            buf[:, :, n:] = new
+            grown.append(buf)
+        self.layers[i] = tuple(grown)
+        return self.layers[i]
+
+    def advance(self, T: int) -> None:
+        """Called once every layer has written its ``T`` new positions."""
+        self.length += T
+        self.rows = None
 
 
 def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
@@ -48,10 +95,15 @@ class Attention(nn.Module):
         B, T, E = x.shape
         q, k, v = self.c_attn(x).split(E, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if past is not None:
+        if isinstance(past, tuple) and isinstance(past[0], KVCache):
+            k, v = past[0].write(past[1], k, v)
+        elif past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         p = self.attn_pdrop if self.training else 0.0
-        if bias is None:  # no past, no padding: plain causal attention
+        if T == 1 and not p and bias is not None:  # one new token against a cache: two small matmuls beat SDPA here
+            att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / (E // self.n_head) ** 0.5) + bias, dim=-1)
+            y = att @ v
+        elif bias is None:  # no past, no padding: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
@@ -98,14 +150,36 @@ class GPT2LMModel(nn.Module):
         self.drop = nn.Dropout(cfg.embd_pdrop)
         self.h = nn.ModuleList(Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.decode_head = None
+
+    @contextmanager
+    def decoding(self, rows: int = 80):
+        """Weights prepared for no-grad inference inside the block: each linear layer and the
+        LM head use a copy of their weight with the LoRA update added, pre-packed for oneDNN on
+        CPU (``pack_weight``). The parameters are untouched; do not change them in the block.
+        ``rows`` is the expected number of rows per forward (a layout hint)."""
+        linears = [m for m in self.modules() if isinstance(m, LoRALinear)]
+        try:
+            with torch.no_grad():
+                for m in linears:
+                    m.decode_weight = pack_weight(m.merged_weight(), rows)
+                head = self.wte.weight + self.wte.delta_weight() if self.wte.r and not self.wte.merged else self.wte.weight
+                self.decode_head = pack_weight(head, rows)
+            yield self
+        finally:
+            for m in linears:
+                m.decode_weight = None
+            self.decode_head = None
 
     def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
                position_ids=None) -> tuple[torch.Tensor, Past]:
-        """Final hidden states (B, T, E) and the new KV cache (per layer (k, v), (B, nh, T_all, hs))."""
+        """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nh, T_all, hs),
+        or ``past`` itself, advanced in place, when it is a ``KVCache``."""
         dev = self.wte.weight.device  # inputs follow the model (CPU or a GPU after model.to(...))
         input_ids = _tensor(input_ids).to(dev)
         B, T = input_ids.shape
-        t_past = 0 if past is None else past[0][0].shape[2]
+        cache = past if isinstance(past, KVCache) else None
+        t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
         if t_past + T > self.config.n_positions:
             raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
         mask = None if attention_mask is None else _np(attention_mask)
@@ -115,12 +189,17 @@ class GPT2LMModel(nn.Module):
         x = self.drop(self.wte(input_ids) + self.wpe(_tensor(position_ids).to(dev)))
         present = []
         for i, block in enumerate(self.h):
-            x, kv = block(x, None if past is None else past[i], bias)
+            x, kv = block(x, None if past is None else (cache, i) if cache else past[i], bias)
             present.append(kv)
+        if cache:
+            cache.advance(T)
+            present = cache
         return self.ln_f(x), present
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Tied LM head: ``h @ wte^T`` (LoRA on wte included when unmerged)."""
+        if self.decode_head is not None:
+            return linear_decode(h, self.decode_head, None)
         w = self.wte.weight
         if self.wte.r and not self.wte.merged:
             w = w + self.wte.delta_weight()

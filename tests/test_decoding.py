@@ -1,0 +1,80 @@
+"""Decoding fast paths, both backends: ``model.decoding()`` (LoRA merged into copies of the
+weights, pre-packed for oneDNN in torch, transposed in jittor) and ``KVCache`` (beam reorder
+applied lazily inside the next forward) give the plain forward's logits (1e-5 x scale)."""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import assert_close, to_numpy
+
+import lora_core as lc
+
+TOL = 1e-5
+
+
+def _model(backend):
+    cfg = lc.gpt2_config("tiny", n_layer=2)
+    m = backend.build_model(cfg, lc.LoRAConfig(r=4, alpha=32), lc.init_gpt2_weights(cfg, 0), trainable=False)
+    rng = np.random.default_rng(1)  # non-zero B: the merged weights differ from the base
+    m.load_partial({n: rng.normal(0, 0.05, v.shape).astype(np.float32)
+                    for n, v in m.state_numpy().items() if "lora_" in n})
+    m.eval()
+    return cfg, m
+
+
+def _batch(cfg):
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, cfg.vocab_size, (3, 7)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :3] = mask[2, :5] = 0  # left padding
+    return ids, mask
+
+
+def test_decoding_weights_give_plain_logits_and_leave_the_model_untouched(backend):
+    cfg, m = _model(backend)
+    ids, mask = _batch(cfg)
+    before = m.state_numpy()
+    plain = to_numpy(m(ids, attention_mask=mask)[0])
+    with m.decoding(rows=3):
+        fast = to_numpy(m(ids, attention_mask=mask)[0])
+    real = mask.astype(bool)
+    assert_close(f"decoding() vs plain logits ({backend.NAME})", fast[real], plain[real], TOL, floor=1.0)
+    after = m.state_numpy()
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+    assert np.array_equal(to_numpy(m(ids, attention_mask=mask)[0]), plain)  # plain path restored
+
+
+def test_kv_cache_with_lazy_reorder_matches_list_cache(backend):
+    cfg, m = _model(backend)
+    ids, mask = _batch(cfg)
+    _, past = m(ids, attention_mask=mask)
+    k = 2  # beams per input
+    cache = backend.KVCache(past, k)
+    ref = [(np.repeat(to_numpy(a), k, 0), np.repeat(to_numpy(b), k, 0)) for a, b in past]
+    rng = np.random.default_rng(3)
+    mask = np.repeat(mask, k, 0)
+    for step in range(3):
+        rows = np.concatenate([b * k + rng.integers(0, k, k) for b in range(len(ids))])
+        cache.reorder(rows)
+        if step == 1:  # two reorders before one forward compose
+            again = np.concatenate([b * k + rng.integers(0, k, k) for b in range(len(ids))])
+            cache.reorder(again)
+            rows = rows[again]
+        ref = [(a[rows], b[rows]) for a, b in ref]
+        mask = np.concatenate([mask[rows], np.ones((len(rows), 1), dtype=mask.dtype)], 1)
+        tok = rng.integers(0, cfg.vocab_size, (len(rows), 1)).astype(np.int64)
+        want, ref = m(tok, past=[tuple(_like(backend, t) for t in kv) for kv in ref], attention_mask=mask)
+        got, cache = m(tok, past=cache, attention_mask=mask)
+        assert isinstance(cache, backend.KVCache) and cache.length == ids.shape[1] + step + 1
+        assert_close(f"KVCache vs list cache logits ({backend.NAME})", got, want, TOL, floor=1.0)
+        ref = [(to_numpy(a), to_numpy(b)) for a, b in ref]
+
+
+def _like(backend, x):
+    if backend.NAME == "torch":
+        import torch
+
+        return torch.from_numpy(np.asarray(x, dtype=np.float32))
+    import jittor as jt
+
+    return jt.array(np.asarray(x, dtype=np.float32))
