@@ -4,19 +4,19 @@ BLEU and NIST come from the port of ``mteval-v13a-sig.pl`` (:mod:`eval.mteval`);
 METEOR, ROUGE-L and CIDEr follow coco-caption: every text is PTB-tokenised by the
 CoreNLP jar (one JVM for all references and hypotheses), then METEOR 1.5 scores
 it (:mod:`eval.java`) and ROUGE-L / CIDEr-D are computed here (:mod:`eval.coco`).
-METEOR runs on a thread while ROUGE-L and CIDEr are computed.
+METEOR's JVM, the longest step, starts as soon as the PTB tokens are there; BLEU,
+NIST, ROUGE-L and CIDEr are computed while it runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from .coco import cider_d, rouge_l
 from .common import check_instances, per_instance_rows, select_metrics
 from .inputs import EvalInputError, count_mismatch, preview, read_e2e_references, read_lines
-from .java import coco_score_line, ptb_tokenize, require_java
+from .java import PtbRun, coco_score_line, require_java
 from .meteor import MeteorRun
 from .mteval import mteval_e2e
 
@@ -45,26 +45,6 @@ def _split_tokens(tok: list[str], refs: Sequence[Sequence[str]]) -> tuple[list[l
         ref_tok.append(tok[pos : pos + len(rs)])
         pos += len(rs)
     return ref_tok, tok[pos:]
-
-
-def _coco_metrics(java: str, tokens: list[str], refs, wanted) -> dict:
-    """METEOR (JVM in the background), ROUGE-L and CIDEr-D of PTB-tokenised texts."""
-    ref_tok, hyp_tok = _split_tokens(tokens, refs)
-    out = {}
-    met = None
-    try:
-        if "METEOR" in wanted:
-            met = MeteorRun(java, [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)])
-        if "ROUGE_L" in wanted:
-            out["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
-        if "CIDEr" in wanted:
-            out["CIDEr"] = cider_d(hyp_tok, ref_tok)
-        if met is not None:
-            out["METEOR"] = met.result()
-    finally:
-        if met is not None:
-            met.close()
-    return out
 
 
 def score_e2e_lists(
@@ -97,14 +77,27 @@ def score_e2e_lists(
     java_metrics = [m for m in wanted if m in _NEEDS_JAVA]
     java = require_java(java_metrics, ["BLEU", "NIST"]) if java_metrics else None
     found: dict[str, tuple[float, list[float]]] = {}
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        flat = [r for rs in refs for r in rs]
-        ptb = pool.submit(ptb_tokenize, java, flat + hyps) if java else None
-        if "BLEU" in wanted or "NIST" in wanted:  # while the PTB tokenizer runs
+    ptb = PtbRun(java, [r for rs in refs for r in rs] + hyps) if java else None
+    met = None
+    try:
+        if ptb is not None:  # METEOR's JVM is the long pole: started as soon as the tokens are there
+            ref_tok, hyp_tok = _split_tokens(ptb.result(), refs)
+            if "METEOR" in wanted:
+                met = MeteorRun(java, [coco_score_line(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)])
+        if "BLEU" in wanted or "NIST" in wanted:
             mt = mteval_e2e(hyps, refs)
             found["BLEU"], found["NIST"] = (mt.bleu, mt.seg_bleu), (mt.nist, mt.seg_nist)
-    if java:
-        found.update(_coco_metrics(java, ptb.result(), refs, wanted))
+        if "ROUGE_L" in wanted:
+            found["ROUGE_L"] = rouge_l(hyp_tok, ref_tok)
+        if "CIDEr" in wanted:
+            found["CIDEr"] = cider_d(hyp_tok, ref_tok)
+        if met is not None:
+            found["METEOR"] = met.result()
+    finally:
+        if met is not None:
+            met.close()
+        if ptb is not None:
+            ptb.close()
     result: dict = {m: found[m][0] for m in wanted}
     if per_instance:
         result["per_instance"] = per_instance_rows(len(hyps), {m: found[m][1] for m in wanted})

@@ -12,13 +12,23 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 from .inputs import JavaUnavailableError
 
-__all__ = ["find_java", "require_java", "ptb_tokenize", "coco_score_line", "meteor_jar", "JAVA_OPTS", "PTB_PUNCTUATION"]
+__all__ = [
+    "find_java",
+    "require_java",
+    "ptb_tokenize",
+    "PtbRun",
+    "coco_score_line",
+    "meteor_jar",
+    "JAVA_OPTS",
+    "PTB_PUNCTUATION",
+]
 
 # coco-caption's PUNCTUATIONS: tokens dropped after PTB tokenisation.
 PTB_PUNCTUATION = frozenset(
@@ -78,6 +88,65 @@ def require_java(needed_for: Sequence[str], still_possible: Sequence[str]) -> st
     return java
 
 
+class PtbRun:
+    """coco-caption's PTB tokenisation of ``texts``, started now in the background.
+
+    The texts go to the JVM from a temporary file and its output to another, so the
+    run needs no Python thread (nothing competes with the caller for the GIL).
+
+    Args:
+        java: java executable.
+        texts: one text per line (no line breaks inside).
+    """
+
+    def __init__(self, java: str, texts: Sequence[str]):
+        self._n = len(texts)
+        self._proc = None
+        self._files = [tempfile.TemporaryFile() for _ in range(3)]  # stdin, stdout, stderr
+        if not texts:
+            return
+        cmd = [
+            java,
+            *JAVA_OPTS,
+            "-XX:TieredStopAtLevel=1",
+            "-cp",
+            str(_ptb_jar()),
+            "edu.stanford.nlp.process.PTBTokenizer",
+            "-preserveLines",
+            "-lowerCase",
+        ]
+        stdin, stdout, stderr = self._files
+        stdin.write("\n".join(t.translate(_PTB_BREAKS) for t in texts).encode("utf-8"))
+        stdin.seek(0)
+        self._proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr)
+
+    def result(self) -> list[str]:
+        """For each text, its kept tokens (lower-cased, punctuation dropped) joined by single spaces."""
+        try:
+            if self._proc is None:
+                return []
+            _, stdout, stderr = self._files
+            if self._proc.wait() != 0:
+                stderr.seek(0)
+                err = stderr.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"PTBTokenizer failed ({self._proc.returncode}): {err}")
+            stdout.seek(0)
+            lines = stdout.read().decode("utf-8").split("\n")
+            if len(lines) != self._n:
+                raise RuntimeError(f"PTBTokenizer returned {len(lines)} lines for {self._n} inputs")
+            return [" ".join(w for w in line.rstrip().split(" ") if w not in PTB_PUNCTUATION) for line in lines]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the JVM if it still runs and drop the files (idempotent)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        for fh in self._files:
+            fh.close()
+
+
 def ptb_tokenize(java: str, texts: Sequence[str]) -> list[str]:
     """coco-caption's PTB tokenisation: lowercased PTB tokens without punctuation.
 
@@ -88,26 +157,7 @@ def ptb_tokenize(java: str, texts: Sequence[str]) -> list[str]:
     Returns:
         For each text, its kept tokens joined by single spaces.
     """
-    if not texts:
-        return []
-    cmd = [
-        java,
-        *JAVA_OPTS,
-        "-XX:TieredStopAtLevel=1",
-        "-cp",
-        str(_ptb_jar()),
-        "edu.stanford.nlp.process.PTBTokenizer",
-        "-preserveLines",
-        "-lowerCase",
-    ]
-    data = "\n".join(t.translate(_PTB_BREAKS) for t in texts).encode("utf-8")
-    proc = subprocess.run(cmd, input=data, capture_output=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"PTBTokenizer failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
-    lines = proc.stdout.decode("utf-8").split("\n")
-    if len(lines) != len(texts):
-        raise RuntimeError(f"PTBTokenizer returned {len(lines)} lines for {len(texts)} inputs")
-    return [" ".join(w for w in line.rstrip().split(" ") if w not in PTB_PUNCTUATION) for line in lines]
+    return PtbRun(java, texts).result()
 
 
 def coco_score_line(hyp: str, refs: Sequence[str]) -> str:

@@ -4,21 +4,25 @@ Loading the full table (5.3 M entries, ``paraphrase-en.gz`` of ``pycocoevalcap``
 takes METEOR 6-10 s of every run. METEOR ships ``FilterParaphrase``, which keeps
 only the entries one of whose phrases occurs in the (normalised) references,
 and documents that scores do not change (a paraphrase can only match where its
-phrases occur). We keep a superset of what it keeps, without reading the whole
-table on every run:
+phrases occur). Its ``ParaphraseMatcher`` in fact matches an entry only where
+one phrase occurs in the hypothesis and the other in the reference, so given
+the hypotheses too we keep a superset of those entries (about 10 k for the E2E
+test set instead of 300 k), without reading the whole table on every run:
 
 - once, the table is indexed into a cache folder (``$LORA_EVAL_CACHE`` or
-  ``~/.cache/lora-eval``, about 420 MB): the decompressed table, the byte offset
-  of every entry and the word ids of both its phrases; about 20-60 s, then reused;
+  ``~/.cache/lora-eval``, about 460 MB): the decompressed table, the byte offset
+  of every entry, the word ids of both its phrases and the phrases grouped by
+  their rarest word; about 20-60 s, then reused;
 - per run, ``V`` = for every lower-cased input token (and its form after
   METEOR's quote and dash normalisation), its single characters and every run of
   consecutive pieces, a piece being a maximal run of the normaliser's word
   characters or one other character: the normaliser (``-norm``) only splits
   tokens between such pieces and rewrites those characters, so every word it
-  produces is in ``V``; an entry is kept if all words of either phrase are in
-  ``V`` and, for phrases of several words, every two consecutive words could be
-  adjacent in the normalised text; kept entries are copied byte for byte, in
-  table order.
+  produces is in ``V``; a phrase could occur if all its words are in ``V`` and,
+  for phrases of several words, every two consecutive words could be adjacent
+  in the normalised text (``V`` and the adjacent pairs are computed for the
+  references and the hypotheses separately); kept entries are copied byte for
+  byte, in table order (the order of the matches that remain is unchanged).
 
 :func:`subset_table` returns None (use the full table) if the cache cannot be
 built or written; set ``LORA_EVAL_FULL_PARAPHRASE=1`` to always use the full table.
@@ -97,9 +101,36 @@ def build_index(table: Path, out: Path) -> None:
             ("side_start", side_start),
         ):
             np.save(tmp / f"{name}.npy", arr)
+        del ids
+        _build_rare(tmp)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_RARE_FILES = ("rare_sides.npy", "rare_off.npy")
+
+
+def _build_rare(path: Path) -> None:
+    """Add ``rare_sides.npy`` / ``rare_off.npy`` to the index in ``path``: the phrases
+    grouped by their rarest word (the fewest occurrences in the table, then the
+    smallest id); the phrases whose rarest word is ``w`` are
+    ``rare_sides[rare_off[w]:rare_off[w + 1]]``, ascending. A phrase can only occur
+    in a text if its rarest word can, so a run looks at those groups only."""
+    ids = np.load(path / "ids.npy", mmap_mode="r")
+    starts = np.load(path / "side_start.npy")
+    nvocab = len((path / "vocab.txt").read_text(encoding="utf-8").split("\n"))
+    key = np.bincount(ids, minlength=nvocab).astype(np.int64) * 65536 + np.arange(nvocab, dtype=np.int64)
+    rarest = (np.minimum.reduceat(key[ids], starts) & 0xFFFF).astype(np.uint16) if len(starts) else key[:0]
+    order = np.argsort(rarest, kind="stable").astype(np.int32)
+    off = np.concatenate(([0], np.cumsum(np.bincount(rarest, minlength=nvocab)))).astype(np.int64)
+    for name, arr in zip(_RARE_FILES, (order, off), strict=True):
+        tmp = path / f".{name}.{os.getpid()}.tmp.npy"
+        try:
+            np.save(tmp, arr)
+            os.replace(tmp, path / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _mkdir(path: Path) -> Path:
@@ -113,6 +144,8 @@ class _Index:
         self.lengths = np.load(path / "side_len.npy", mmap_mode="r")
         self.starts = np.load(path / "side_start.npy", mmap_mode="r")
         self.entry_off = np.load(path / "entry_off.npy", mmap_mode="r")
+        self.rare_sides = np.load(path / "rare_sides.npy", mmap_mode="r")
+        self.rare_off = np.load(path / "rare_off.npy")
         with open(path / "table.txt", "rb") as fh:
             self.table = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.vocab = (path / "vocab.txt").read_text(encoding="utf-8").split("\n")
@@ -123,17 +156,22 @@ class _Index:
 
 @lru_cache(maxsize=1)
 def _index(table: str) -> _Index | None:
-    path = index_path(Path(table))
-    if not path.exists():
-        ensure_index(Path(table))
-    return _Index(path) if path.exists() else None
+    path = ensure_index(Path(table))
+    return _Index(path) if path is not None else None
 
 
 def ensure_index(table: Path) -> Path | None:
     """Build the cache for ``table`` unless it exists; its folder, or None if impossible."""
     path = index_path(table)
     if path.exists():
-        return path
+        if all((path / name).exists() for name in _RARE_FILES):
+            return path
+        try:  # an index of an earlier release of this module: add the rarest-word groups
+            _build_rare(path)
+            return path
+        except (OSError, ValueError, MemoryError) as exc:
+            print(f"lora-eval: cannot extend the paraphrase index ({exc}); using the full table", file=sys.stderr)
+            return None
     print(f"lora-eval: indexing METEOR's paraphrase table once into {path} (about 30 s) ...", file=sys.stderr)
     try:
         build_index(table, path)
@@ -184,19 +222,35 @@ class _Token:
                 k += 1
 
 
-def _text_words(text: str, words: set, pairs: set) -> None:
-    """Add the words ``-norm`` could make of ``text`` and the pairs that could be adjacent."""
-    carry: set = set()  # tails of the previous tokens that may precede the next word
+def _text_vocab(texts: Iterable[str]) -> tuple[set, set]:
+    """The words ``-norm`` could make of the texts and the pairs that could be adjacent
+    (each distinct token, and each distinct token after the same context, looked at once)."""
+    words: set = set()
+    pairs: set = set()
+    seen: set = set()  # tokens and (context, token) pairs already added
     if len(_TOKENS) > 1_000_000:  # bound the memory of a long-lived process
         _TOKENS.clear()
-    for token in text.split():
-        tok = _TOKENS.get(token)
-        if tok is None:
-            tok = _TOKENS[token] = _Token(token)
-        words |= tok.words
-        pairs |= tok.pairs
-        pairs.update((a, b) for a in carry for b in tok.heads)
-        carry = (carry | tok.tails) if not tok.has_word else set(tok.tails)
+    for text in texts:
+        carry: set = set()  # tails of the previous tokens that may precede the next word
+        context = None  # what `carry` was made of
+        for token in text.split():
+            tok = _TOKENS.get(token)
+            if tok is None:
+                tok = _TOKENS[token] = _Token(token)
+            if token not in seen:
+                seen.add(token)
+                words |= tok.words
+                pairs |= tok.pairs
+            if carry:
+                key = (context, token)
+                if key not in seen:
+                    seen.add(key)
+                    pairs.update((a, b) for a in carry for b in tok.heads)
+            if tok.has_word:
+                carry, context = tok.tails, token
+            else:
+                carry, context = carry | tok.tails, (context, token)
+    return words, pairs
 
 
 def _write(idx: _Index, keep: np.ndarray, out: Path) -> None:
@@ -209,32 +263,67 @@ def _write(idx: _Index, keep: np.ndarray, out: Path) -> None:
         fh.write(gzip.compress(data, compresslevel=1))
 
 
-def _check_adjacency(idx: _Index, side_ok: np.ndarray, pairs: set) -> None:
-    """Clear ``side_ok`` for phrases with two consecutive words that cannot be adjacent."""
+def _possible(idx: _Index, texts: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(known, allowed)``: which vocabulary words ``-norm`` could make of the texts
+    (words without a letter or digit always count), and the sorted codes
+    ``id(a) * 65536 + id(b)`` of the word pairs that could be adjacent."""
+    words, pairs = _text_vocab(texts)
     wid = idx.word_id
+    known = np.zeros(len(idx.vocab), dtype=bool)
+    known[[wid[w] for w in words if w in wid]] = True
+    known |= idx.always
     codes = [wid[a] * 65536 + wid[b] for a, b in pairs if a in wid and b in wid]
-    allowed = np.unique(np.array(codes, dtype=np.int64))
-    cand = np.flatnonzero(side_ok & (idx.lengths >= 2))
-    if len(cand) == 0:
-        return
-    npairs = idx.lengths[cand].astype(np.int64) - 1
-    first = np.cumsum(npairs) - npairs
-    pos = np.repeat(idx.starts[cand] - first, npairs) + np.arange(int(npairs.sum()))
-    left, right = idx.ids[pos], idx.ids[pos + 1]
-    code = left.astype(np.int64) * 65536 + right
-    at = np.minimum(np.searchsorted(allowed, code), max(len(allowed) - 1, 0))
-    ok = (allowed[at] == code) if len(allowed) else np.zeros(len(code), dtype=bool)
-    ok |= idx.always[left] | idx.always[right]
-    side_ok[cand] = np.logical_and.reduceat(ok, first)
+    return known, np.unique(np.array(codes, dtype=np.int64))
 
 
-def subset_table(table: Path, texts: Iterable[str], out: Path) -> int | None:
+def _sides_possible(idx: _Index, known: np.ndarray, allowed: np.ndarray, sides: np.ndarray | None = None) -> np.ndarray:
+    """The phrases (of ``sides``, default all; ascending) that could occur in the texts.
+
+    A phrase could occur if each of its words is ``known`` and each two consecutive
+    words could be adjacent (``allowed``, or one of them is a word without a letter
+    or digit). Without ``sides``, only the phrases whose rarest word is known are
+    looked at; the first word is checked before the others.
+    """
+    if sides is None:  # the phrases whose rarest word is known
+        w = np.flatnonzero(known)
+        lo, n = idx.rare_off[w], idx.rare_off[w + 1] - idx.rare_off[w]
+        sides = np.sort(idx.rare_sides[np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))])
+    starts = np.asarray(idx.starts)[sides].astype(np.int64)
+    npairs = np.asarray(idx.lengths)[sides].astype(np.int64) - 1
+    ok = known[idx.ids[starts]]  # the first word
+    for check in ("words", "pairs"):  # then the others, then their adjacency
+        multi = np.flatnonzero(ok & (npairs > 0))
+        if len(multi) == 0:
+            break
+        n = npairs[multi]
+        off = np.cumsum(n) - n
+        left = np.repeat(starts[multi] - off, n) + np.arange(int(n.sum()))  # all but the last word
+        right = np.asarray(idx.ids[left + 1]).astype(np.int64)
+        if check == "words":
+            good = known[right]
+        else:
+            left = np.asarray(idx.ids[left]).astype(np.int64)
+            code = left * 65536 + right
+            at = np.minimum(np.searchsorted(allowed, code), max(len(allowed) - 1, 0))
+            good = (allowed[at] == code) if len(allowed) else np.zeros(len(code), dtype=bool)
+            good |= idx.always[left] | idx.always[right]
+        ok[multi] = np.logical_and.reduceat(good, off)
+    return sides[ok].astype(np.int64)
+
+
+def subset_table(table: Path, texts: Iterable[str], out: Path, hyps: Iterable[str] | None = None) -> int | None:
     """Write the entries of ``table`` that the texts could use to ``out`` (gzip).
 
     Args:
         table: METEOR's ``paraphrase-en.gz``.
-        texts: every hypothesis and reference METEOR will see.
+        texts: every reference METEOR will see (or every text, without ``hyps``).
         out: where to write the subset.
+        hyps: every hypothesis METEOR will see. METEOR's ``ParaphraseMatcher``
+            matches an entry only where one of its phrases occurs in the hypothesis
+            and the other in the reference (and the matches of the other entries
+            keep their order), so with ``hyps`` an entry is kept if one phrase could
+            occur in the references and the other in the hypotheses; without, if
+            either phrase could occur in ``texts`` (what ``FilterParaphrase`` does).
 
     Returns:
         The number of entries written, or None when the full table must be used.
@@ -244,14 +333,11 @@ def subset_table(table: Path, texts: Iterable[str], out: Path) -> int | None:
     idx = _index(str(table))
     if idx is None:
         return None
-    words: set = set()
-    pairs: set = set()
-    for text in texts:
-        _text_words(text, words, pairs)
-    known = np.fromiter((w in words for w in idx.vocab), dtype=bool, count=len(idx.vocab)) | idx.always
-    side_ok = np.logical_and.reduceat(known[idx.ids], idx.starts)
-    _check_adjacency(idx, side_ok, pairs)
-    keep = np.flatnonzero(side_ok[0::2] | side_ok[1::2])
+    if hyps is None:
+        keep = np.unique(_sides_possible(idx, *_possible(idx, texts)) >> 1)
+    else:  # the hypothesis side first (fewer phrases pass), then the other phrase of each entry
+        other = np.sort(_sides_possible(idx, *_possible(idx, hyps)) ^ 1)
+        keep = np.unique(_sides_possible(idx, *_possible(idx, texts), sides=other) >> 1)
     if len(keep) == 0:
         keep = np.array([0])  # METEOR needs a non-empty table; one unused entry
     _write(idx, keep, out)

@@ -321,3 +321,31 @@ def test_paraphrase_subset_keeps_what_the_texts_can_use(tmp_path, monkeypatch):
     assert paraphrase.subset_table(table, ["The CAT is well-known ."], out) == 3
     assert gzip.decompress(out.read_bytes()).decode("utf-8") == entries[0] + entries[2] + entries[4]
     assert paraphrase.index_path(table).is_dir()
+
+
+def test_paraphrase_subset_with_hypotheses_keeps_ref_hyp_pairs(tmp_path, monkeypatch):
+    """With ``hyps``, an entry is kept only if one phrase can occur in a reference and
+    the other in a hypothesis (either way round): METEOR matches nothing else."""
+    import gzip
+
+    from eval import paraphrase
+    from eval.meteor import _texts
+
+    monkeypatch.setenv("LORA_EVAL_CACHE", str(tmp_path / "cache"))
+    entries = [
+        "0.5\nthe cat\na feline\n",  # "the cat" in the reference, "a feline" in the hypothesis: kept
+        "0.4\nsat\nwas seated\n",  # "was seated" in the hypothesis, "sat" in the reference: kept
+        "0.3\ncat\nmat\n",  # both in the reference only: dropped
+        "0.2\nfeline\nseated\n",  # both in the hypothesis only: dropped
+        "0.1\nthe cat\nthe mat\n",  # dropped
+    ]
+    table = tmp_path / "para.gz"
+    table.write_bytes(gzip.compress("".join(entries).encode("utf-8")))
+    out = tmp_path / "subset.gz"
+    refs, hyps = _texts(["SCORE ||| The cat sat on the mat ||| A feline was seated"])
+    assert refs == [" The cat sat on the mat "] and hyps == [" A feline was seated"]
+    assert paraphrase.subset_table(table, refs, out, hyps=hyps) == 2
+    assert gzip.decompress(out.read_bytes()).decode("utf-8") == entries[0] + entries[1]
+    assert paraphrase.subset_table(table, refs + hyps, out) == 5  # either phrase anywhere
+    # METEOR's field split (Java's String.split drops trailing empty fields)
+    assert _texts(["SCORE ||| a|||b ||| c |||", "SCORE ||| r ||| "]) == ([" a b ", " r "], [" c ", " "])
