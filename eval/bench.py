@@ -87,12 +87,12 @@ def bench_webnlg(data_dir: Path, repeat: int) -> tuple[float, dict, dict]:
 def _warm_cache() -> None:
     """Build the one-time paraphrase index outside the timed runs (and report it)."""
     from .java import find_java, meteor_jar
-    from .paraphrase import ensure_index, index_path
+    from .paraphrase import ensure_index, index_ready
 
     if find_java() is None:
         return
     table = meteor_jar().parent / "data" / "paraphrase-en.gz"
-    if index_path(table).exists():
+    if index_ready(table):
         return
     start = time.perf_counter()
     ensure_index(table)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["subset_table", "build_index", "ensure_index", "index_path"]
+__all__ = ["subset_table", "build_index", "ensure_index", "index_path", "index_ready"]
 
 _VERSION = 2
 _QUOTES = str.maketrans({"`": "'", "‘": "'", "’": "'", "“": '"', "”": '"', "–": "-"})
@@ -59,6 +59,12 @@ def index_path(table: Path) -> Path:
     root = Path(os.environ.get("LORA_EVAL_CACHE") or Path.home() / ".cache" / "lora-eval")
     st = table.stat()
     return root / f"paraphrase-en.v{_VERSION}.{st.st_size}.{st.st_mtime_ns}"
+
+
+def index_ready(table: Path) -> bool:
+    """Whether the cache for ``table`` is complete (a run will not have to build any of it)."""
+    path = index_path(table)
+    return path.is_dir() and all((path / name).exists() for name in _RARE_FILES)
 
 
 def build_index(table: Path, out: Path) -> None:
