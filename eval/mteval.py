@@ -28,6 +28,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import chain
 
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
@@ -47,9 +48,24 @@ _RULES_13A = [
 _ASCII_WS = re.compile(r"[ \t\n\r\f\v]+")
 
 
+# the first 13a rule puts spaces around single characters: a translation table does the same
+_RULE1_13A = str.maketrans({c: f" {c} " for c in map(chr, range(128)) if _RULES_13A[0][0].fullmatch(c)})
+
+
+def _tokenize_13a(line: str) -> list[str]:
+    """sacrebleu's ``Tokenizer13a()(line).split()``, its first rule by ``str.translate``."""
+    line = line.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
+    if "&" in line:
+        line = line.replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    line = f" {line} ".translate(_RULE1_13A)
+    for pattern, repl in _RULES_13A[1:]:
+        line = pattern.sub(repl, line)
+    return line.split()
+
+
 def tokenize_e2e(text: str) -> list[str]:
     """mteval-v13a tokens of ``text`` as the E2E scorer sees them (ASCII-lowercased)."""
-    return _TOK13A(text.translate(_ASCII_LOWER)).split()
+    return _tokenize_13a(text.translate(_ASCII_LOWER))
 
 
 @lru_cache(maxsize=2**16)
@@ -64,12 +80,14 @@ def tokenize_bytes_mode(text: str) -> tuple[str, ...]:
     return tuple(w for w in _ASCII_WS.split(text) if w)
 
 
+def _ngram_list(words: Sequence[str], max_n: int) -> list[tuple]:
+    """All n-grams (as word tuples) for n = 1..max_n, unigrams first, each order in text order."""
+    return list(chain.from_iterable(zip(*(words[i:] for i in range(n))) for n in range(1, min(max_n, len(words)) + 1)))
+
+
 def _ngrams(words: Sequence[str], max_n: int) -> Counter:
     """Counts of all n-grams (as word tuples) for n = 1..max_n."""
-    counts: Counter = Counter()
-    for n in range(1, min(max_n, len(words)) + 1):
-        counts.update(zip(*(words[i:] for i in range(n)), strict=False))
-    return counts
+    return Counter(_ngram_list(words, max_n))
 
 
 class MtevalResult:
@@ -89,19 +107,25 @@ def _closest(current: int, ref_len: int, tst_len: int) -> int:
     return current
 
 
-def _ngram_info(ref_counts: Sequence[Sequence[Counter]], total_words: int) -> dict:
-    """NIST information weight of every reference n-gram (n <= 5) of the corpus."""
-    counts: Counter = Counter()
-    for refs in ref_counts:
-        for c in refs:
-            counts.update(c)
-    info = {}
-    for gram, c in counts.items():
+class _NgramInfo(dict):
+    """NIST information weight of reference n-grams (n <= 5) of the corpus, computed
+    when first looked up (only the matched n-grams of the hypotheses are).
+
+    Args:
+        counts: the count of every n-gram over all references of the corpus.
+        total_words: the number of reference words of the corpus.
+    """
+
+    def __init__(self, counts: Counter, total_words: int):
+        super().__init__()
+        self._counts, self._total = counts, total_words
+
+    def __missing__(self, gram: tuple) -> float:
         prefix = gram[:-1]
         # Perl: `$mgram ? count/count(mgram) : count/tot_wrds`; "0" is false in Perl.
-        denom = counts[prefix] if prefix and prefix != ("0",) else total_words
-        info[gram] = -math.log(c / denom) / math.log(2)
-    return info
+        denom = self._counts[prefix] if prefix and prefix != ("0",) else self._total
+        value = self[gram] = -math.log(self._counts[gram] / denom) / math.log(2)
+        return value
 
 
 def _bleu_smoothed(ref_len: float, match: Sequence[float], tst: Sequence[float]) -> float:
@@ -175,8 +199,10 @@ def mteval_e2e(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> MtevalResu
     # first, and the order of the others does not matter (closest length, ties to the
     # shorter; empty references skipped after the first), so the padding is left out.
     ref_tok = [[tokenize_e2e(r) for r in rs] for rs in refs]
-    ref_counts = [[_ngrams(w, 5) for w in rs] for rs in ref_tok]
-    info = _ngram_info(ref_counts, sum(len(w) for rs in ref_tok for w in rs))
+    ref_grams = [[_ngram_list(w, 5) for w in rs] for rs in ref_tok]
+    ref_counts = [[Counter(g) for g in rs] for rs in ref_grams]
+    corpus = Counter(chain.from_iterable(g for rs in ref_grams for g in rs))
+    info = _NgramInfo(corpus, sum(len(w) for rs in ref_tok for w in rs))
     cum_len, cum_nrefs, cum_ref1 = 0, 0, 0
     cum_match, cum_tst, cum_info = [0] * 6, [0] * 6, [0.0] * 6
     seg_bleu, seg_nist = [], []
