@@ -68,27 +68,25 @@ def rouge_l(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
     return (float(np.mean(np.array(scores))) if scores else 0.0), scores
 
 
-def _precook(text: str) -> Counter:
+def _precook(text: str) -> list[Counter]:
+    """coco ``precook``: the counts of the n-grams of ``text``, one Counter per order n = 1..4."""
     words = text.split()
-    counts: Counter = Counter()
-    for k in range(1, min(4, len(words)) + 1):
-        counts.update(zip(*(words[i:] for i in range(k)), strict=False))
-    return counts
+    return [Counter(zip(*(words[i:] for i in range(n)))) for n in range(1, 5)]
 
 
-def _vec(counts: Counter, df: dict, ref_len: float) -> tuple[list[dict], list[float], int]:
+def _vec(counts: list[Counter], df: dict, ref_len: float) -> tuple[list[dict], list[float], int]:
     """coco ``counts2vec``: tf-idf per order, norms, and the bigram count ("length")."""
-    vec: list[dict] = [{}, {}, {}, {}]
-    norm = [0.0, 0.0, 0.0, 0.0]
-    length = 0
-    for gram, tf in counts.items():
-        n = len(gram) - 1
-        w = float(tf) * (ref_len - df.get(gram, 0.0))  # df holds log(max(1, document frequency))
-        vec[n][gram] = w
-        norm[n] += w * w
-        if n == 1:
-            length += tf
-    return vec, [math.sqrt(x) for x in norm], length
+    vec, norm = [], []
+    get = df.get
+    for c in counts:
+        # df holds log(max(1, document frequency)); tf * (...) is float(tf) * (...)
+        v = {gram: tf * (ref_len - get(gram, 0.0)) for gram, tf in c.items()}
+        total = 0.0  # summed in coco's order
+        for w in v.values():
+            total += w * w
+        vec.append(v)
+        norm.append(math.sqrt(total))
+    return vec, norm, sum(counts[1].values())
 
 
 def _sim(hyp: tuple, ref: tuple) -> list[float]:
@@ -100,10 +98,11 @@ def _sim(hyp: tuple, ref: tuple) -> list[float]:
     val = [0.0, 0.0, 0.0, 0.0]
     for n in range(4):
         vr_n = vec_r[n]
-        acc = 0.0
+        acc = 0.0  # n-grams missing from the reference add 0.0 (all weights are >= 0)
         for gram, wh in vec_h[n].items():
-            wr = vr_n.get(gram, 0.0)
-            acc += min(wh, wr) * wr
+            wr = vr_n.get(gram)
+            if wr is not None:
+                acc += (wh if wh < wr else wr) * wr
         if norm_h[n] != 0 and norm_r[n] != 0:
             acc /= norm_h[n] * norm_r[n]
         val[n] = acc * penalty
@@ -122,7 +121,7 @@ def cider_d(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, 
     crefs = [[_precook(r) for r in rs] for rs in refs]
     counts: dict = {}
     for rs in crefs:
-        for gram in {g for c in rs for g in c}:
+        for gram in {g for c in rs for order in c for g in order}:
             counts[gram] = counts.get(gram, 0) + 1
     log_df = {g: math.log(max(1.0, float(c))) for g, c in counts.items()}
     ref_len = math.log(float(len(crefs)))
