@@ -7,6 +7,11 @@ including the final eos. Batches are right-padded to their longest sequence (or 
 ``pad_to`` for exact-behaviour runs): with causal attention no real token attends to a
 pad, so no attention mask is needed, and the loss positions are gathered explicitly so
 the LM head runs only where the loss is taken.
+
+Unpadded training: the backends run every position-wise layer (embeddings, LayerNorm,
+the linear layers with their LoRA, the MLP) on the real tokens only, packed into (N, E),
+and scatter them into the padded (B, T) layout just for attention. Padding therefore costs
+nothing but a little attention; ``pad_to`` only widens the attention window.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_to: int | None = No
         max_len: refuse (ValueError) sequences longer than this many input tokens.
 
     Returns:
-        ``input_ids`` (B, T) int64; ``loss_index`` (N,) flat indices into B*T of the
-        positions whose next token is a completion token; ``targets`` (N,) int64;
-        ``n_tokens`` (real input tokens, for throughput).
+        ``input_ids`` (B, T) int64; ``loss_index`` (L,) flat indices into B*T of the
+        positions whose next token is a completion token; ``targets`` (L,) int64;
+        ``n_tokens`` (real input tokens, for throughput); for unpadded training
+        ``token_index`` (N,) flat indices of the real input tokens (row-major),
+        ``pad_index`` (B*T,) the packed row of each padded position (N for a pad: a zero
+        row appended to the packed tensor) and ``packed_loss_index`` (L,) the loss
+        positions as packed rows.
     """
     if not examples:
         raise ValueError("collate: empty batch")
@@ -47,8 +56,13 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_to: int | None = No
         start = len(c) - 1  # position whose next token is the first completion token
         index.append(b * T + np.arange(start, len(seq) - 1))
         targets.append(np.asarray(t, dtype=np.int64))
-    return {"input_ids": ids, "loss_index": np.concatenate(index).astype(np.int64),
-            "targets": np.concatenate(targets), "n_tokens": np.int64(sum(lengths))}
+    loss_index = np.concatenate(index).astype(np.int64)
+    token_index = np.concatenate([b * T + np.arange(n) for b, n in enumerate(lengths)]).astype(np.int64)
+    pad_index = np.full(len(examples) * T, len(token_index), dtype=np.int64)
+    pad_index[token_index] = np.arange(len(token_index))
+    return {"input_ids": ids, "loss_index": loss_index, "targets": np.concatenate(targets),
+            "n_tokens": np.int64(sum(lengths)), "token_index": token_index, "pad_index": pad_index,
+            "packed_loss_index": pad_index[loss_index]}
 
 
 def label_smoothed_nll_reference(logits: np.ndarray, targets: np.ndarray, eps: float) -> float:

@@ -41,3 +41,20 @@ def assert_close(name: str, ours, ref, rtol: float, floor: float = 0.0) -> float
             f"  at {tuple(int(j) for j in i)}: ours {a[i]!r}, reference {b[i]!r}\n"
             f"  ours[:6]      = {a.ravel()[:6]}\n  reference[:6] = {b.ravel()[:6]}")
     return ratio
+
+
+def peft_c_attn(hf_model, n_layer: int, lora_weights: dict, r: int, alpha: float):
+    """``hf_model`` wrapped by peft with LoRA on the whole ``c_attn`` (fan-in/fan-out, no dropout),
+    its A and B set to our ``h.{i}.attn.c_attn.lora_{A,B}`` values: the independent reference
+    for our LoRA with ``enable_lora=None, target_modules=("c_attn",)``."""
+    import peft
+    import torch
+
+    pm = peft.get_peft_model(hf_model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["c_attn"],
+                                                       lora_dropout=0.0, fan_in_fan_out=True, bias="none"))
+    with torch.no_grad():
+        for i in range(n_layer):
+            layer = pm.base_model.model.transformer.h[i].attn.c_attn
+            layer.lora_A["default"].weight.copy_(torch.from_numpy(lora_weights[f"h.{i}.attn.c_attn.lora_A"]))
+            layer.lora_B["default"].weight.copy_(torch.from_numpy(lora_weights[f"h.{i}.attn.c_attn.lora_B"]))
+    return pm

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import assert_close, peft_c_attn, to_numpy
 
 import lora_core as lc
 
@@ -133,20 +133,14 @@ def test_padded_prefill_then_cache_matches_transformers(backend, hf_model):
 
 def test_lora_whole_c_attn_matches_peft(hf_model):
     """Ours (torch) with one LoRA pair on the whole c_attn vs peft's LoRA, same A/B values."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from backends import torch as bt
 
     cfg, hf, folder, _ = hf_model
     lora = lc.LoRAConfig(r=4, alpha=16, enable_lora=None, target_modules=("c_attn",))
     lw = lc.init_lora_weights(cfg, lora, b_std=0.05)
     hf_copy = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    pm = peft.get_peft_model(hf_copy, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0,
-                                                      fan_in_fan_out=True, bias="none"))
-    with torch.no_grad():
-        for i in range(cfg.n_layer):
-            layer = pm.base_model.model.transformer.h[i].attn.c_attn
-            layer.lora_A["default"].weight.copy_(torch.from_numpy(lw[f"h.{i}.attn.c_attn.lora_A"]))
-            layer.lora_B["default"].weight.copy_(torch.from_numpy(lw[f"h.{i}.attn.c_attn.lora_B"]))
+    pm = peft_c_attn(hf_copy, cfg.n_layer, lw, 4, 16)
     _, base = lc.load_gpt2_checkpoint(folder)
     ours = bt.build_model(cfg, lora, base, lw)
     ids = torch.from_numpy(_ids(cfg, 2, 9, seed=4))

@@ -81,10 +81,13 @@ class Attention(nn.Module):
         self.attn_dropout = _dropout(cfg.attn_pdrop)
         self.resid_dropout = _dropout(cfg.resid_pdrop)
 
-    def execute(self, x, past, bias):
-        B, T, E = x.shape
-        hs = E // self.n_head
+    def execute(self, x, past, bias, unpad=None):
         qkv = self.c_attn(x)
+        if unpad is not None:  # packed (N, 3E) -> padded (B, T, 3E); pads read an appended zero row
+            token_index, pad_index, B, T = unpad
+            qkv = jt.concat([qkv, jt.zeros((1, qkv.shape[-1]))], 0)[pad_index].reshape(B, T, -1)
+        B, T, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        hs = E // self.n_head
         q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
                    for i in range(3))  # (B, nh, T, hs)
         if isinstance(past, tuple) and isinstance(past[0], KVCache):
@@ -99,6 +102,8 @@ class Attention(nn.Module):
             att = jt.matmul(q, k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
             att = self.attn_dropout(nn.softmax(att, dim=-1))
             y = jt.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, E)
+        if unpad is not None:  # back to the real tokens only
+            y = y.reshape(B * T, E)[token_index]
         return self.resid_dropout(self.c_proj(y)), (k, v)
 
 
@@ -120,8 +125,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, lora, prefix)
 
-    def execute(self, x, past, bias):
-        a, present = self.attn(self.ln_1(x), past, bias)
+    def execute(self, x, past, bias, unpad=None):
+        a, present = self.attn(self.ln_1(x), past, bias, unpad)
         x = x + a
         return x + self.mlp(self.ln_2(x)), present
 
@@ -189,6 +194,19 @@ class GPT2LMModel(nn.Module):
             cache.advance(T)
             present = cache
         return self.ln_f(x), present
+
+    def hidden_unpadded(self, input_ids, token_index, pad_index):
+        """Final hidden states (N, E) of the real tokens of a right-padded batch; see the torch backend."""
+        ids = _var(input_ids)
+        B, T = ids.shape
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
+        tok, pad = _var(token_index), _var(pad_index)
+        bias = jt.array(attention_bias(None, T, 0))
+        x = self.drop(self.wte(ids.reshape(-1)[tok]) + self.wpe(tok % T))
+        for block in self.h:
+            x, _ = block(x, None, bias, (tok, pad, B, T))
+        return self.ln_f(x)
 
     def lm_logits(self, h):
         if self.decode_head is not None:

@@ -13,8 +13,8 @@ def log_softmax(x: jt.Var) -> jt.Var:
 
 
 def _gather_logits(model, batch):
-    h, _ = model.hidden(batch["input_ids"])
-    h = h.reshape(-1, h.shape[-1])[jt.array(batch["loss_index"])]  # (N, E)
+    h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])  # (N, E) real tokens
+    h = h[jt.array(batch["packed_loss_index"])]  # loss positions only
     return model.lm_logits(h), jt.array(batch["targets"])
 
 

@@ -91,9 +91,13 @@ class Attention(nn.Module):
         self.c_proj = _linear(prefix + "attn.c_proj", E, E, lora)
         self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
 
-    def forward(self, x, past, bias):
-        B, T, E = x.shape
-        q, k, v = self.c_attn(x).split(E, dim=-1)
+    def forward(self, x, past, bias, unpad=None):
+        qkv = self.c_attn(x)
+        if unpad is not None:  # packed (N, 3E) -> padded (B, T, 3E); pads read an appended zero row
+            token_index, pad_index, B, T = unpad
+            qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[-1])]).index_select(0, pad_index).view(B, T, -1)
+        B, T, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(E, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if isinstance(past, tuple) and isinstance(past[0], KVCache):
             k, v = past[0].write(past[1], k, v)
@@ -108,6 +112,8 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, E)
+        if unpad is not None:  # back to the real tokens only
+            y = y.reshape(B * T, E).index_select(0, token_index)
         return self.resid_dropout(self.c_proj(y)), (k, v)
 
 
@@ -131,8 +137,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, lora, prefix)
 
-    def forward(self, x, past, bias):
-        a, present = self.attn(self.ln_1(x), past, bias)
+    def forward(self, x, past, bias, unpad=None):
+        a, present = self.attn(self.ln_1(x), past, bias, unpad)
         x = x + a
         return x + self.mlp(self.ln_2(x)), present
 
@@ -195,6 +201,22 @@ class GPT2LMModel(nn.Module):
             cache.advance(T)
             present = cache
         return self.ln_f(x), present
+
+    def hidden_unpadded(self, input_ids, token_index, pad_index) -> torch.Tensor:
+        """Final hidden states (N, E) of the real tokens of a right-padded batch (no cache,
+        positions 0..len-1 per row): the position-wise layers run on the N real tokens only
+        and attention on the padded (B, T) layout; indices as ``lora_core.batching.collate``
+        makes them."""
+        dev = self.wte.weight.device
+        ids = _tensor(input_ids).to(dev)
+        B, T = ids.shape
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
+        tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
+        x = self.drop(self.wte(ids.reshape(-1).index_select(0, tok)) + self.wpe(tok % T))
+        for block in self.h:
+            x, _ = block(x, None, None, (tok, pad, B, T))
+        return self.ln_f(x)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Tied LM head: ``h @ wte^T`` (LoRA on wte included when unmerged)."""

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 
 def _gather_hidden(model, batch):
-    ids = torch.from_numpy(batch["input_ids"])
-    h, _ = model.hidden(ids)
+    h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])  # (N, E) real tokens
     dev = h.device
-    h = h.reshape(-1, h.shape[-1]).index_select(0, torch.from_numpy(batch["loss_index"]).to(dev))  # (N, E)
+    h = h.index_select(0, torch.from_numpy(batch["packed_loss_index"]).to(dev))  # loss positions only
     return model.lm_logits(h), torch.from_numpy(batch["targets"]).to(dev)
 
 
