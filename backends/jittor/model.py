@@ -19,6 +19,7 @@ from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
+from ._bmm import bmm, bmm_nt
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad, linear_decode, pack_weight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -99,9 +100,12 @@ class Attention(nn.Module):
             att = nn.softmax(att, dim=-1)  # (B, nh, 1, T_all)
             y = (att.transpose(0, 1, 3, 2) * v).sum(2).reshape(B, T, E)
         else:
-            att = jt.matmul(q, k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
+            L = k.shape[2]
+            att = bmm_nt(q.reshape(B * self.n_head, T, hs), k.reshape(B * self.n_head, L, hs))
+            att = att.reshape(B, self.n_head, T, L) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
             att = self.attn_dropout(nn.softmax(att, dim=-1))
-            y = jt.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, E)
+            y = bmm(att.reshape(B * self.n_head, T, L), v.reshape(B * self.n_head, L, hs))
+            y = y.reshape(B, self.n_head, T, hs).transpose(0, 2, 1, 3).reshape(B, T, E)
         if unpad is not None:  # back to the real tokens only
             y = y.reshape(B * T, E)[token_index]
         return self.resid_dropout(self.c_proj(y)), (k, v)
