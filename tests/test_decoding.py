@@ -78,3 +78,13 @@ def _like(backend, x):
     import jittor as jt
 
     return jt.array(np.asarray(x, dtype=np.float32))
+
+
+def test_kv_cache_refuses_a_reorder_across_inputs(backend):
+    import pytest
+
+    cfg, m = _model(backend)
+    ids, mask = _batch(cfg)
+    cache = backend.KVCache(m(ids, attention_mask=mask)[1], 2)
+    with pytest.raises(ValueError, match="its own input"):
+        cache.reorder(np.array([0, 2, 2, 3, 4, 5]))  # row 1 (input 0) would continue row 2 (input 1)

@@ -33,28 +33,50 @@ class KVCache:
     def __init__(self, past, repeats: int = 1):
         self.layers = [(k.detach().repeat_interleave(repeats, 0), v.detach().repeat_interleave(repeats, 0))
                        for k, v in past]
-        self.length = past[0][0].shape[2]
+        self.repeats, self.length = repeats, past[0][0].shape[2]
         self.rows = None  # pending reorder (numpy)
+        self._index = None  # the same as a jittor var, made once per step
 
     def reorder(self, rows: np.ndarray) -> None:
-        """Row ``j`` continues old row ``rows[j]`` (applied by the next forward pass)."""
+        """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
+        next forward pass)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not np.array_equal(rows // self.repeats, np.arange(len(rows)) // self.repeats):
+            raise ValueError("KVCache.reorder: a row may only continue a beam of its own input")
         if self.rows is not None:
             rows = self.rows[rows]
-        self.rows = None if np.array_equal(rows, np.arange(len(rows))) else np.asarray(rows, dtype=np.int64)
+        self.rows = None if np.array_equal(rows, np.arange(len(rows))) else rows
+        self._index = None
 
-    def write(self, i: int, k: jt.Var, v: jt.Var):
-        """Layer ``i``'s cache (reordered) followed by the new keys/values ``k``, ``v``."""
+    def attend(self, i: int, q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var) -> jt.Var:
+        """Layer ``i``: append the new keys/values to the (reordered) cache and return the
+        attention output for the queries ``q`` (rows, nh, T, hs)."""
         old = self.layers[i]
         if self.rows is not None:
-            idx = jt.array(self.rows)
-            old = (old[0][idx], old[1][idx])
+            if self._index is None:
+                self._index = jt.array(self.rows)
+            old = (old[0][self._index], old[1][self._index])
         self.layers[i] = (jt.concat([old[0], k.detach()], dim=2), jt.concat([old[1], v.detach()], dim=2))
-        return self.layers[i]
+        return attention(q, *self.layers[i], bias)
 
     def advance(self, T: int) -> None:
-        """Called once every layer has written its ``T`` new positions."""
+        """Called once every layer has taken its ``T`` new positions."""
         self.length += T
-        self.rows = None
+        self.rows = self._index = None
+
+
+def attention(q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var, dropout=None) -> jt.Var:
+    """softmax(q k^T / sqrt(hs) + bias) v for (B, nh, T|L, hs) operands -> (B, nh, T, hs)."""
+    B, nh, T, hs = q.shape
+    L = k.shape[2]
+    if T == 1 and dropout is None:  # one token against a cache: fused multiply-reduce, no transposed copy of k
+        att = nn.softmax((q * k).sum(-1).unsqueeze(2) * (1.0 / math.sqrt(hs)) + bias, dim=-1)  # (B, nh, 1, L)
+        return (att.transpose(0, 1, 3, 2) * v).sum(2).unsqueeze(2)
+    att = bmm_nt(q.reshape(B * nh, T, hs), k.reshape(B * nh, L, hs))
+    att = nn.softmax(att.reshape(B, nh, T, L) * (1.0 / math.sqrt(hs)) + bias, dim=-1)
+    if dropout is not None:
+        att = dropout(att)
+    return bmm(att.reshape(B * nh, T, L), v.reshape(B * nh, L, hs)).reshape(B, nh, T, hs)
 
 
 def gelu_tanh(x: jt.Var) -> jt.Var:
@@ -92,23 +114,15 @@ class Attention(nn.Module):
         q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
                    for i in range(3))  # (B, nh, T, hs)
         if isinstance(past, tuple) and isinstance(past[0], KVCache):
-            k, v = past[0].write(past[1], k, v)
-        elif past is not None:
-            k, v = jt.concat([past[0], k], dim=2), jt.concat([past[1], v], dim=2)
-        if T == 1 and not self.is_training():  # one token against a cache: fused multiply-reduce,
-            att = (q * k).sum(-1).unsqueeze(2) * (1.0 / math.sqrt(hs)) + bias  # no transposed copy of k
-            att = nn.softmax(att, dim=-1)  # (B, nh, 1, T_all)
-            y = (att.transpose(0, 1, 3, 2) * v).sum(2).reshape(B, T, E)
+            y, present = past[0].attend(past[1], q, k, v, bias), None
         else:
-            L = k.shape[2]
-            att = bmm_nt(q.reshape(B * self.n_head, T, hs), k.reshape(B * self.n_head, L, hs))
-            att = att.reshape(B, self.n_head, T, L) * (1.0 / math.sqrt(hs)) + bias  # (B, nh, T, T_all)
-            att = self.attn_dropout(nn.softmax(att, dim=-1))
-            y = bmm(att.reshape(B * self.n_head, T, L), v.reshape(B * self.n_head, L, hs))
-            y = y.reshape(B, self.n_head, T, hs).transpose(0, 2, 1, 3).reshape(B, T, E)
+            if past is not None:
+                k, v = jt.concat([past[0], k], dim=2), jt.concat([past[1], v], dim=2)
+            y, present = attention(q, k, v, bias, self.attn_dropout if self.is_training() else None), (k, v)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, E)
         if unpad is not None:  # back to the real tokens only
             y = y.reshape(B * T, E)[token_index]
-        return self.resid_dropout(self.c_proj(y)), (k, v)
+        return self.resid_dropout(self.c_proj(y)), present
 
 
 class MLP(nn.Module):

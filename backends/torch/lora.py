@@ -91,12 +91,15 @@ def pack_weight(w: torch.Tensor, rows: int) -> tuple[str, torch.Tensor]:
     return "plain", w
 
 
-def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` with a weight from ``pack_weight`` (no autograd)."""
+def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch.Tensor | None,
+                  gelu: bool = False) -> torch.Tensor:
+    """``x W^T + b`` with a weight from ``pack_weight`` (no autograd); ``gelu``: then GELU
+    (tanh form), fused into the oneDNN product when packed."""
     kind, w = packed
     if kind == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return F.linear(x, w, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "gelu" if gelu else "none", [], "tanh" if gelu else "")
+    y = F.linear(x, w, bias)
+    return F.gelu(y, approximate="tanh") if gelu else y
 
 
 class LoRAMergedLinear(LoRALinear):

@@ -30,34 +30,45 @@ Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KVCache:
-    """Keys and values of every layer, (rows, n_head, length, head_size) each, with the beam
-    reorder applied lazily: ``reorder`` only records the row order, and the next forward pass
-    gathers each layer's rows straight into the grown buffer (``index_select(out=...)``),
-    so a decoding step copies the cache once instead of twice (gather, then ``torch.cat``)
-    and attention reads contiguous keys and values.
+    """KV cache for beam search: per layer the prompt's keys and values once per input,
+    (inputs, n_head, P, head_size), shared by that input's ``repeats`` beams, and the generated
+    positions per beam, (inputs * repeats, n_head, t, head_size).
 
-    ``KVCache(past, repeats)`` takes a list-of-(k, v) cache, each row repeated ``repeats``
-    times (the beams of one input). It is for inference: no gradient flows through it.
+    ``reorder`` only records the new row order; the next forward pass gathers the generated
+    part's rows straight into its grown buffer (``index_select(out=...)``): one copy of the
+    generated positions per step, none of the prompt, where concatenating and reordering a
+    full cache copies everything twice. Attention reads the prompt once per input (the beams
+    are extra query rows of one matrix product). For inference: no gradient flows through it.
+
+    ``KVCache(past, repeats)`` takes a list-of-(k, v) cache of the prompts.
     """
 
     def __init__(self, past: Past, repeats: int = 1):
-        self.layers = [(k.detach().repeat_interleave(repeats, 0), v.detach().repeat_interleave(repeats, 0))
-                       for k, v in past]
-        self.length = past[0][0].shape[2]
+        self.prompt = [(k.detach(), v.detach()) for k, v in past]
+        self.repeats, self.length = repeats, past[0][0].shape[2]
+        rows, nh, _, hs = past[0][0].shape
+        empty = past[0][0].new_empty((rows * repeats, nh, 0, hs))
+        self.generated = [(empty, empty) for _ in past]
         self.rows: torch.Tensor | None = None  # pending reorder
 
     def reorder(self, rows: np.ndarray) -> None:
-        """Row ``j`` continues old row ``rows[j]`` (applied by the next forward pass)."""
+        """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
+        next forward pass)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not np.array_equal(rows // self.repeats, np.arange(len(rows)) // self.repeats):
+            raise ValueError("KVCache.reorder: a row may only continue a beam of its own input")
         if self.rows is not None:
             rows = self.rows.cpu().numpy()[rows]
         identity = np.array_equal(rows, np.arange(len(rows)))
-        self.rows = None if identity else torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.layers[0][0].device)
+        self.rows = None if identity else torch.from_numpy(rows).to(self.prompt[0][0].device)
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s cache (reordered) followed by the new keys/values ``k``, ``v``."""
-        n = self.length
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``: store the new keys/values ``k``, ``v`` (rows, nh, T, hs) after the
+        (reordered) generated ones and return the attention output for the queries ``q``;
+        ``bias`` (rows, 1, T, length + T) is the additive mask."""
         grown = []
-        for old, new in zip(self.layers[i], (k.detach(), v.detach())):
+        for old, new in zip(self.generated[i], (k.detach(), v.detach())):
+            n = old.shape[2]
             buf = old.new_empty((new.shape[0], new.shape[1], n + new.shape[2], new.shape[3]))
             if self.rows is None:
                 buf[:, :, :n] = old
@@ -65,11 +76,23 @@ class KVCache:
                 torch.index_select(old, 0, self.rows, out=buf[:, :, :n])
             buf[:, :, n:] = new
             grown.append(buf)
-        self.layers[i] = tuple(grown)
-        return self.layers[i]
+        self.generated[i] = kg, vg = tuple(grown)
+        kp, vp = self.prompt[i]
+        R, nh, T, hs = q.shape
+        B, P, beam = kp.shape[0], kp.shape[2], self.repeats
+
+        def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
+            return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
+
+        def by_row(x):  # inverse of by_input
+            return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
+
+        scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
+        att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
+        return by_row(by_input(att[..., :P]) @ vp) + att[..., P:] @ vg
 
     def advance(self, T: int) -> None:
-        """Called once every layer has written its ``T`` new positions."""
+        """Called once every layer has taken its ``T`` new positions."""
         self.length += T
         self.rows = None
 
@@ -99,11 +122,12 @@ class Attention(nn.Module):
         B, T, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = qkv.split(E, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if isinstance(past, tuple) and isinstance(past[0], KVCache):
-            k, v = past[0].write(past[1], k, v)
-        elif past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         p = self.attn_pdrop if self.training else 0.0
+        if isinstance(past, tuple) and isinstance(past[0], KVCache):
+            y = past[0].attend(past[1], q, k, v, bias)
+            return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, E))), None
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         if T == 1 and not p and bias is not None:  # one new token against a cache: two small matmuls beat SDPA here
             att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / (E // self.n_head) ** 0.5) + bias, dim=-1)
             y = att @ v
@@ -126,6 +150,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.resid_pdrop)
 
     def forward(self, x):
+        if self.c_fc.decode_weight is not None:  # inference: GELU fused into the product
+            return self.c_proj(linear_decode(x, self.c_fc.decode_weight, self.c_fc.bias, gelu=True))
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
