@@ -6,6 +6,7 @@ code lives in the backends, chosen with ``get_backend("torch" | "jittor")``. Imp
 this package imports neither torch nor jittor.
 """
 
+from . import batching, beam, optim
 from .backend import BACKENDS, get_backend
 from .checkpoint import (
     CheckpointError,
@@ -26,5 +27,5 @@ __all__ = [
     "BACKENDS", "get_backend", "CheckpointError", "load_adapter", "load_gpt2_checkpoint", "load_model",
     "save_adapter", "save_model", "PRESETS", "GPT2Config", "LoRAConfig", "gpt2_config",
     "init_gpt2_weights", "init_lora_weights", "base_shapes", "count_parameters", "lora_shapes",
-    "trainable_names", "linear_warmup_decay", "lr_at",
+    "trainable_names", "linear_warmup_decay", "lr_at", "batching", "beam", "optim",
 ]
