@@ -15,7 +15,7 @@ def _forward(model):
         with jt.no_grad():
             h, past = model.hidden(ids, past=past, attention_mask=mask)
             logits = model.lm_logits(h[:, -1])
-            jt.sync([logits] + [t for kv in (past.layers if isinstance(past, KVCache) else past) for t in kv])
+            jt.sync([logits] + [t for kv in (past.generated if isinstance(past, KVCache) else past) for t in kv])
             return logits.numpy(), past
     return forward
 

@@ -26,14 +26,15 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 class KVCache:
-    """Keys and values of every layer with the beam reorder applied lazily (contract in
-    ``backends.torch.model.KVCache``): the next forward pass gathers the rows and appends
-    the new positions in one lazy expression. For inference: no gradient flows through it."""
+    """KV cache for beam search (contract in ``backends.torch.model.KVCache``): the prompt's
+    keys and values once per input, shared by its beams, and the generated positions per
+    beam, whose pending reorder the next forward pass gathers in the same lazy expression
+    that appends the new positions. For inference: no gradient flows through it."""
 
     def __init__(self, past, repeats: int = 1):
-        self.layers = [(k.detach().repeat_interleave(repeats, 0), v.detach().repeat_interleave(repeats, 0))
-                       for k, v in past]
+        self.prompt = [(k.detach(), v.detach()) for k, v in past]
         self.repeats, self.length = repeats, past[0][0].shape[2]
+        self.generated = [None] * len(past)  # (rows * repeats, nh, t, hs) pairs once t > 0
         self.rows = None  # pending reorder (numpy)
         self._index = None  # the same as a jittor var, made once per step
 
@@ -49,15 +50,30 @@ class KVCache:
         self._index = None
 
     def attend(self, i: int, q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var) -> jt.Var:
-        """Layer ``i``: append the new keys/values to the (reordered) cache and return the
-        attention output for the queries ``q`` (rows, nh, T, hs)."""
-        old = self.layers[i]
-        if self.rows is not None:
+        """Layer ``i``: append the new keys/values to the (reordered) generated ones and return
+        the attention output for the queries ``q`` (rows, nh, T, hs)."""
+        k, v = k.detach(), v.detach()
+        old = self.generated[i]
+        if old is not None and self.rows is not None:
             if self._index is None:
                 self._index = jt.array(self.rows)
             old = (old[0][self._index], old[1][self._index])
-        self.layers[i] = (jt.concat([old[0], k.detach()], dim=2), jt.concat([old[1], v.detach()], dim=2))
-        return attention(q, *self.layers[i], bias)
+        kg, vg = (k, v) if old is None else (jt.concat([old[0], k], dim=2), jt.concat([old[1], v], dim=2))
+        self.generated[i] = (kg, vg)
+        kp, vp = self.prompt[i]
+        R, nh, T, hs = q.shape
+        B, P, beam = kp.shape[0], kp.shape[2], self.repeats
+        if T != 1:  # a multi-token step: attend to the prompt repeated for every beam
+            kp, vp = kp.repeat_interleave(beam, 0), vp.repeat_interleave(beam, 0)
+            return attention(q, jt.concat([kp, kg], dim=2), jt.concat([vp, vg], dim=2), bias)
+        # one token per row: the beams of an input are the query rows of one product with its prompt
+        qb = q.reshape(B, beam, nh, hs).transpose(0, 2, 1, 3).reshape(B * nh, beam, hs)
+        sp = bmm_nt(qb, kp.reshape(B * nh, P, hs)).reshape(B, nh, beam, P).transpose(0, 2, 1, 3).reshape(R, nh, 1, P)
+        sg = (q * kg).sum(-1).unsqueeze(2)  # (R, nh, 1, t)
+        att = nn.softmax(jt.concat([sp, sg], dim=-1) * (1.0 / math.sqrt(hs)) + bias, dim=-1)
+        ap = att[:, :, :, :P].reshape(B, beam, nh, P).transpose(0, 2, 1, 3).reshape(B * nh, beam, P)
+        yp = bmm(ap, vp.reshape(B * nh, P, hs)).reshape(B, nh, beam, hs).transpose(0, 2, 1, 3).reshape(R, nh, 1, hs)
+        return yp + (att[:, :, :, P:].transpose(0, 1, 3, 2) * vg).sum(2).unsqueeze(2)
 
     def advance(self, T: int) -> None:
         """Called once every layer has taken its ``T`` new positions."""
