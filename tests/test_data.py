@@ -8,12 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from lora_core.convert import convert, convert_dart, convert_e2e, convert_webnlg
 from lora_core.data import (
     DataFormatError,
-    convert,
-    convert_dart,
-    convert_e2e,
-    convert_webnlg,
     group_references,
     read_encoded,
     read_formatted,

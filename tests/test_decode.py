@@ -89,7 +89,8 @@ def read_e2e_refs(path):
 
 def test_e2e_end_to_end(shared_dir, gpt2, tmp_path):
     """Shared E2E test (630 MRs): oracle predictions (each MR's first reference) through the whole path."""
-    from lora_core.data import convert_e2e, group_references
+    from lora_core.convert import convert_e2e
+    from lora_core.data import group_references
 
     test = shared_dir / "data/e2e/test.txt"
     records = convert_e2e(test)

@@ -7,7 +7,8 @@ from functools import lru_cache
 
 import pytest
 
-from lora_core.data import convert_e2e, read_formatted
+from lora_core.convert import convert_e2e
+from lora_core.data import read_formatted
 from lora_core.tokenizer import encode_example, encode_file, load_tokenizer
 
 FILES = [

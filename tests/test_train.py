@@ -17,7 +17,8 @@ from examples.nlg import plot as plot_cli
 from examples.nlg import train as train_cli
 from lora_core.batching import collate
 from lora_core.checkpoint import read_tensors
-from lora_core.data import convert, write_jsonl_atomic
+from lora_core.convert import convert
+from lora_core.data import write_jsonl_atomic
 from lora_core.recipes import RECIPES, TrainConfig, apply_overrides, get_recipe
 from lora_core.schedule import lr_at
 from lora_core.tokenizer import encode_file, load_tokenizer

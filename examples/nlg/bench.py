@@ -77,7 +77,7 @@ def shape_config(name: str):
 
 def train_examples(data_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
     """The first ``n`` E2E training examples in a seeded shuffled order (paper layout ids)."""
-    from lora_core.data import convert_e2e
+    from lora_core.convert import convert_e2e
     from lora_core.tokenizer import encode_example, load_tokenizer
 
     records = convert_e2e(data_dir / "e2e" / "train.txt")
@@ -89,7 +89,8 @@ def train_examples(data_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
 
 def beam_contexts(data_dir: Path, k: int) -> list[list[int]]:
     """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique E2E test MRs."""
-    from lora_core.data import convert_e2e, group_references
+    from lora_core.convert import convert_e2e
+    from lora_core.data import group_references
     from lora_core.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir / "gpt2-vocab")

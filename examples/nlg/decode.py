@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_core.data import convert
+from lora_core.convert import convert
 from lora_core.decode import make_eval_files
 from lora_core.tokenizer import load_tokenizer
 

@@ -33,7 +33,8 @@ import numpy as np
 
 import lora_core as lc
 from lora_core.batching import collate
-from lora_core.data import convert_e2e, group_references, write_jsonl_atomic, write_text_atomic
+from lora_core.convert import convert_e2e
+from lora_core.data import group_references, write_jsonl_atomic, write_text_atomic
 from lora_core.decode import make_eval_files
 from lora_core.recipes import get_recipe
 from lora_core.tokenizer import encode_file, load_tokenizer

@@ -24,7 +24,8 @@ import shutil
 from pathlib import Path
 
 import lora_core as lc
-from lora_core.data import convert_e2e, group_references
+from lora_core.convert import convert_e2e
+from lora_core.data import group_references
 from lora_core.recipes import get_recipe
 from lora_core.tokenizer import encode_file, load_tokenizer
 from lora_core.toy import train_toy_tokenizer

@@ -20,7 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_core.data import CONVERTERS, convert, write_jsonl_atomic
+from lora_core.convert import CONVERTERS, convert
+from lora_core.data import write_jsonl_atomic
 from lora_core.tokenizer import encode_file, load_tokenizer
 from lora_core.toy import make_toy_dataset
 
