@@ -19,7 +19,7 @@ from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from ._bmm import bmm, bmm_nt
+from ._kernels import bmm, bmm_nt, grow_rows, rows_dot
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad, linear_decode, pack_weight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -36,7 +36,7 @@ class KVCache:
         self.repeats, self.length = repeats, past[0][0].shape[2]
         self.generated = [None] * len(past)  # (rows * repeats, nh, t, hs) pairs once t > 0
         self.rows = None  # pending reorder (numpy)
-        self._index = None  # the same as a jittor var, made once per step
+        self._index = None  # as a jittor var, made once per step
 
     def reorder(self, rows: np.ndarray) -> None:
         """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
@@ -54,11 +54,12 @@ class KVCache:
         the attention output for the queries ``q`` (rows, nh, T, hs)."""
         k, v = k.detach(), v.detach()
         old = self.generated[i]
-        if old is not None and self.rows is not None:
-            if self._index is None:
-                self._index = jt.array(self.rows)
-            old = (old[0][self._index], old[1][self._index])
-        kg, vg = (k, v) if old is None else (jt.concat([old[0], k], dim=2), jt.concat([old[1], v], dim=2))
+        if old is None:
+            kg, vg = k, v
+        else:
+            if self._index is None:  # one index var per step, shared by the layers
+                self._index = jt.array(np.arange(k.shape[0], dtype=np.int64) if self.rows is None else self.rows)
+            kg, vg = grow_rows(old[0], k, self._index), grow_rows(old[1], v, self._index)
         self.generated[i] = (kg, vg)
         kp, vp = self.prompt[i]
         R, nh, T, hs = q.shape
@@ -69,7 +70,7 @@ class KVCache:
         # one token per row: the beams of an input are the query rows of one product with its prompt
         qb = q.reshape(B, beam, nh, hs).transpose(0, 2, 1, 3).reshape(B * nh, beam, hs)
         sp = bmm_nt(qb, kp.reshape(B * nh, P, hs)).reshape(B, nh, beam, P).transpose(0, 2, 1, 3).reshape(R, nh, 1, P)
-        sg = (q * kg).sum(-1).unsqueeze(2)  # (R, nh, 1, t)
+        sg = rows_dot(q, kg)  # (R, nh, 1, t)
         att = nn.softmax(jt.concat([sp, sg], dim=-1) * (1.0 / math.sqrt(hs)) + bias, dim=-1)
         ap = att[:, :, :, :P].reshape(B, beam, nh, P).transpose(0, 2, 1, 3).reshape(B * nh, beam, P)
         yp = bmm(ap, vp.reshape(B * nh, P, hs)).reshape(B, nh, beam, hs).transpose(0, 2, 1, 3).reshape(R, nh, 1, hs)
