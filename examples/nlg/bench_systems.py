@@ -1,0 +1,171 @@
+"""The systems and inputs of ``examples.nlg.bench``: our backends and HF ``transformers`` +
+``peft`` behind the same three calls (``prepare``, ``train_step``, ``beam``), the model
+shapes, and the E2E examples every system gets (see the bench module's docstring)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+STOP_IDS = (50256, 628)
+BATCH, LR, LABEL_SMOOTH, WEIGHT_DECAY, SEED = 8, 2e-4, 0.1, 0.01, 0
+BEAM = dict(beam=10, length_penalty=0.9, no_repeat_ngram_size=4)  # + max 64 new tokens (paper)
+
+
+def shape_config(name: str):
+    from lora_core import gpt2_config
+
+    return gpt2_config(name, vocab_size=50257, n_positions=1024) if name == "tiny" else gpt2_config(name)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def train_examples(data_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
+    """The first ``n`` E2E training examples in a seeded shuffled order (paper layout ids)."""
+    from lora_core.convert import convert_e2e
+    from lora_core.tokenizer import encode_example, load_tokenizer
+
+    records = convert_e2e(data_dir / "e2e" / "train.txt")
+    order = np.random.default_rng(SEED).permutation(len(records))
+    tok = load_tokenizer(data_dir / "gpt2-vocab")
+    picked = [records[i] for i in np.resize(order, n)]  # wraps around if n > len(records)
+    return [encode_example(tok, r["context"], r["completion"]) for r in picked]
+
+
+def beam_contexts(data_dir: Path, k: int) -> list[list[int]]:
+    """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique E2E test MRs."""
+    from lora_core.convert import convert_e2e
+    from lora_core.data import group_references
+    from lora_core.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data_dir / "gpt2-vocab")
+    groups = group_references(convert_e2e(data_dir / "e2e" / "test.txt"))[:k]
+    return [tok.encode(g.context) + [tok.eos_id] for g in groups]
+
+
+def gen_length(tokens) -> int:
+    """Generated tokens up to and including the first stop id."""
+    tokens = list(tokens)
+    for i, t in enumerate(tokens):
+        if t in STOP_IDS:
+            return i + 1
+    return len(tokens)
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+class Ours:
+    """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
+
+    def __init__(self, name: str, cfg, trainable: bool):
+        import lora_core
+        from lora_core.optim import AdamWConfig
+
+        self.be = lora_core.get_backend(name)
+        base = lora_core.init_gpt2_weights(cfg, SEED)
+        self.model = self.be.build_model(cfg, lora_core.LoRAConfig(r=4, alpha=32), base, trainable=trainable)
+        del base
+        if trainable:
+            self.opt = self.be.AdamW(self.be.trainable_parameters(self.model), AdamWConfig(weight_decay=WEIGHT_DECAY))
+
+    def prepare(self, pairs):
+        from lora_core.batching import collate
+
+        return collate(pairs)
+
+    def train_step(self, batch) -> float:
+        return self.be.train_step(self.model, self.opt, [batch], LR, LABEL_SMOOTH, 0.0)["loss"]
+
+    def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
+        from lora_core.beam import BeamConfig
+
+        cfg = BeamConfig(**BEAM, max_new_tokens=max_new_tokens, min_length=min(min_new_tokens, max_new_tokens),
+                         repetition_penalty=1.0, stop_ids=STOP_IDS)  # fmt: skip
+        return self.be.beam_search(self.model, contexts, cfg, batch_size=batch_size)
+
+
+class HFPeft:
+    """``transformers`` GPT-2 + ``peft`` LoRA, used the way their documentation shows."""
+
+    def __init__(self, cfg, trainable: bool):
+        import warnings
+
+        import peft
+        import torch
+        import transformers
+
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
+
+        from lora_core import init_gpt2_weights
+        from lora_core.naming import TRANSPOSED
+
+        self.torch = torch
+        hf_cfg = transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+            n_head=cfg.n_head, layer_norm_epsilon=cfg.layer_norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(hf_cfg)
+        base = init_gpt2_weights(cfg, SEED)  # the same weights as ours; Conv1D stores (in, out)
+        state = {"transformer." + k: torch.from_numpy(v.T if k.endswith(TRANSPOSED) else v) for k, v in base.items()}
+        params = dict(model.named_parameters())
+        if set(params) != set(state):
+            raise RuntimeError(f"HF GPT-2 weights: names differ: {sorted(set(params) ^ set(state))}")
+        with torch.no_grad():  # in place, tensor by tensor (no second copy of the model)
+            for name in list(state):
+                params[name].copy_(state.pop(name))
+        del base
+        lcfg = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        self.model = peft.get_peft_model(model, lcfg)
+        if trainable:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def prepare(self, pairs):
+        torch = self.torch
+        T = max(len(c) + len(t) for c, t in pairs)
+        ids = torch.full((len(pairs), T), 50256, dtype=torch.long)
+        mask = torch.zeros((len(pairs), T), dtype=torch.long)
+        labels = torch.full((len(pairs), T), -100, dtype=torch.long)
+        for b, (c, t) in enumerate(pairs):
+            n = len(c) + len(t)
+            ids[b, :n], mask[b, :n] = torch.tensor(c + t), 1
+            labels[b, len(c) : n] = torch.tensor(t)
+        return ids, mask, labels
+
+    def train_step(self, batch) -> float:
+        import torch.nn.functional as F
+
+        ids, mask, labels = batch
+        self.model.train()
+        logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                               label_smoothing=LABEL_SMOOTH)  # fmt: skip
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
+        from lora_core.beam import left_pad
+
+        torch = self.torch
+        self.model.eval()
+        out = []
+        for s in range(0, len(contexts), batch_size):
+            ids, mask = left_pad(contexts[s : s + batch_size], pad_id=50256)
+            with torch.no_grad():
+                seq = self.model.generate(
+                    input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                    num_beams=BEAM["beam"], max_new_tokens=max_new_tokens, min_new_tokens=min(min_new_tokens, max_new_tokens),
+                    length_penalty=BEAM["length_penalty"],
+                    no_repeat_ngram_size=BEAM["no_repeat_ngram_size"], repetition_penalty=1.0,
+                    early_stopping=False, eos_token_id=list(STOP_IDS), pad_token_id=50256)  # fmt: skip
+            out.extend(row[ids.shape[1] :].tolist() for row in seq)
+        return out
+
+
+def make_system(name: str, cfg, trainable: bool):
+    return HFPeft(cfg, trainable) if name == "hf-peft" else Ours(name.removeprefix("ours-"), cfg, trainable)
