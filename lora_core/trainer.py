@@ -31,30 +31,32 @@ Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per li
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .batching import collate
-from .checkpoint import (
-    atomic_write,
-    load_adapter,
-    read_tensors,
-    save_adapter,
-    write_json_atomic,
-    write_safetensors_atomic,
-)
+from .checkpoint import atomic_write, write_json_atomic
 from .dropout import NumpyDropout
 from .recipes import TrainConfig
+from .run_dir import (
+    CONFIG_FILE,
+    LATEST_FILE,
+    LOG_FILE,
+    config_diff,
+    find_checkpoint,
+    fingerprint,
+    read_checkpoint,
+    read_log,
+    remove_temp_files,
+    write_checkpoint,
+)
 from .schedule import lr_at
 
 __all__ = [
@@ -70,10 +72,6 @@ __all__ = [
     "LOG_FILE",
     "LATEST_FILE",
 ]
-
-LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
-STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
-FORMAT_VERSION = 1
 
 
 # --------------------------------------------------------------------------- data order
@@ -112,25 +110,6 @@ def _pairs(examples) -> list[tuple[list[int], list[int]]]:
     return [(e["context"], e["completion"]) if isinstance(e, dict) else (e[0], e[1]) for e in examples]
 
 
-def _fingerprint(pairs) -> str:
-    h = hashlib.sha256()
-    for c, t in pairs:
-        h.update(np.asarray([len(c), len(t), *c, *t], dtype=np.int64).tobytes())
-    return h.hexdigest()
-
-
-def _diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """Differences between two nested dicts, one ``key: saved X, now Y`` line each."""
-    out = []
-    for k in sorted(set(saved) | set(now)):
-        a, b = saved.get(k), now.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: saved {a!r}, now {b!r}")
-    return out
-
-
 def _peak_rss_mb() -> float | None:
     try:
         import resource
@@ -155,36 +134,6 @@ def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = Non
         total, count = total + nll, count + n
     mean = total / max(count, 1)
     return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": count}
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``OUT/latest`` names; without that file, the highest ``ckpt-N`` (every
-    such folder is complete: it appears by rename). Hidden temp folders are ignored."""
-    out_dir = Path(out_dir)
-    latest = out_dir / LATEST_FILE
-    if latest.is_file():
-        path = out_dir / latest.read_text(encoding="utf-8").strip()
-        if not (path / STATE_JSON).is_file():
-            raise FileNotFoundError(f"{latest} names {path.name}, which is not a complete checkpoint")
-        return path
-    done = [p for p in out_dir.glob("ckpt-*") if p.name[5:].isdigit() and (p / STATE_JSON).is_file()]
-    return max(done, key=lambda p: int(p.name[5:])) if done else None
-
-
-def read_log(path: str | os.PathLike) -> list[dict]:
-    """Records of a ``log.jsonl``; a torn last line (a killed writer) is skipped."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}, line {i + 1}: not JSON") from None
-    return out
 
 
 @dataclasses.dataclass
@@ -228,7 +177,7 @@ class Trainer:
             "model": self.model.config.to_dict(),
             "lora": self.model.lora_config.to_dict(),
             "base": self.base_note,
-            "data": {"n_train": len(pairs), "sha256": _fingerprint(pairs)},
+            "data": {"n_train": len(pairs), "sha256": fingerprint(pairs)},
         }
 
     def _prepare_dir(self, pairs, resume: bool) -> None:
@@ -238,10 +187,9 @@ class Trainer:
         if not resume:
             if old.exists() or (out / LOG_FILE).exists() or find_checkpoint(out) is not None:
                 raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
-        for junk in [*out.glob(".ckpt-*.tmp"), *out.glob(f".{LATEST_FILE}.*.tmp")]:  # leftovers of a killed save
-            shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
+        remove_temp_files(out)  # leftovers of a killed save
         if resume and old.is_file():
-            diff = _diff(json.loads(old.read_text(encoding="utf-8")), run)
+            diff = config_diff(json.loads(old.read_text(encoding="utf-8")), run)
             if diff:
                 raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
         write_json_atomic(old, run)
@@ -262,63 +210,31 @@ class Trainer:
     def save_checkpoint(self, total: int) -> Path:
         """Write ``OUT/ckpt-{step}`` (temp folder + rename), then point ``OUT/latest`` at it."""
         s, cfg = self.state, self.cfg
-        name = f"ckpt-{s.step}"
-        final = self.out_dir / name
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.out_dir))
-        save_adapter(
-            tmp,
-            self.model.config,
-            self.model.lora_config,
-            self.backend.lora_state_dict(self.model),
-            base=self.base_note,
-        )
-        opt = self.optimizer.state_numpy()
-        write_safetensors_atomic(tmp / STATE_TENSORS, opt)
-        write_json_atomic(
-            tmp / STATE_JSON,
-            {
-                "format": FORMAT_VERSION,
-                **dataclasses.asdict(s),
-                "total_steps": total,
-                "schedule": {
-                    "kind": cfg.schedule,
-                    "base_lr": cfg.lr,
-                    "warmup": cfg.warmup,
-                    "max_step": total,
-                    "next_lr": lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule),
-                },
-                "rng": {
-                    "seed": cfg.seed,
-                    "data_order": "numpy default_rng([seed, epoch]).permutation(n)",
-                    "dropout": f"manual_seed(seed * 1000003 + step), next {dropout_seed(cfg.seed, s.step)}",
-                },
-                "backend": self.backend.NAME,
-                "time": time.time(),
+        meta = {
+            **dataclasses.asdict(s),
+            "total_steps": total,
+            "schedule": {
+                "kind": cfg.schedule,
+                "base_lr": cfg.lr,
+                "warmup": cfg.warmup,
+                "max_step": total,
+                "next_lr": lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule),
             },
-        )
-        if final.exists():  # a save of this step from a run killed before it updated `latest`
-            trash = Path(tempfile.mkdtemp(prefix=f".{name}.old.", suffix=".tmp", dir=self.out_dir))
-            os.replace(final, trash / name)
-            shutil.rmtree(trash)
-        os.replace(tmp, final)
-        atomic_write(self.out_dir / LATEST_FILE, lambda p: Path(p).write_text(name + "\n", encoding="utf-8"))
-        return final
+            "rng": {
+                "seed": cfg.seed,
+                "data_order": "numpy default_rng([seed, epoch]).permutation(n)",
+                "dropout": f"manual_seed(seed * 1000003 + step), next {dropout_seed(cfg.seed, s.step)}",
+            },
+            "backend": self.backend.NAME,
+        }
+        adapter = (self.model.config, self.model.lora_config, self.backend.lora_state_dict(self.model), self.base_note)
+        return write_checkpoint(self.out_dir, s.step, adapter, self.optimizer.state_numpy(), meta)
 
     def load_checkpoint(self, path) -> None:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
-        path = Path(path)
-        lora, cfg, tensors, _ = load_adapter(path)
-        if lora != self.model.lora_config or cfg != self.model.config:
-            raise ValueError(
-                f"{path}: adapter was trained with {lora} on {cfg}, the model has "
-                f"{self.model.lora_config} on {self.model.config}"
-            )
+        tensors, opt, meta = read_checkpoint(path, self.model.config, self.model.lora_config)
         self.model.load_partial(tensors)
-        opt = read_tensors(path / STATE_TENSORS)
-        if "t" in opt:
-            opt["t"] = opt["t"].reshape(())  # stored (1,): safetensors writers make scalars 1-d
         self.optimizer.load_state_numpy(opt)
-        meta = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
         self.state = TrainerState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainerState)})
 
     # ---------------------------------------------------------------- the loop
