@@ -6,6 +6,8 @@ A LoRA layer is any module with ``r > 0`` and ``merge``/``unmerge`` methods (the
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 def lora_layers(model) -> list:
     """The model's LoRA layers that have an update (``r > 0``), in module order."""
@@ -30,3 +32,22 @@ def set_dropout_source(model, source) -> None:
     for m in lora_layers(model):
         if hasattr(m, "mask_source"):
             m.mask_source = source
+
+
+@contextmanager
+def decoding_weights(model, pack, no_grad, rows: int):
+    """The backends' ``model.decoding()``: inside the block every linear layer (a module with
+    ``decode_weight``) and the LM head (``model.decode_head``) use ``pack(merged_weight, rows)``,
+    a framework-specific fast copy of their weight with the LoRA update added; both are reset
+    on exit. The parameters are not touched. ``no_grad``: the framework's no-grad context."""
+    linears = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    try:
+        with no_grad():
+            for m in linears:
+                m.decode_weight = pack(m.merged_weight(), rows)
+            model.decode_head = pack(model.wte.merged_weight(), rows)
+        yield model
+    finally:
+        for m in linears:
+            m.decode_weight = None
+        model.decode_head = None

@@ -36,7 +36,9 @@ def test_decoding_weights_give_plain_logits_and_leave_the_model_untouched(backen
     before = m.state_numpy()
     plain = to_numpy(m(ids, attention_mask=mask)[0])
     with m.decoding(rows=3):
+        assert m.decode_head is not None and m.h[0].attn.c_attn.decode_weight is not None  # the fast path is on
         fast = to_numpy(m(ids, attention_mask=mask)[0])
+    assert m.decode_head is None and m.h[0].attn.c_attn.decode_weight is None
     real = mask.astype(bool)
     assert_close(f"decoding() vs plain logits ({backend.NAME})", fast[real], plain[real], TOL, floor=1.0)
     after = m.state_numpy()

@@ -162,6 +162,7 @@ class LoRAEmbedding(nn.Module):
 
     merge = LoRALinear.merge
     unmerge = LoRALinear.unmerge
+    merged_weight = LoRALinear.merged_weight
 
 
 def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:

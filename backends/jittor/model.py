@@ -8,7 +8,6 @@ unfreeze frozen base weights; trainability belongs to ``mark_only_lora_as_traina
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import jittor as jt
 import numpy as np
@@ -16,6 +15,7 @@ from jittor import nn
 
 from lora_core.checkpoint import check_tensors
 from lora_core.config import GPT2Config, LoRAConfig
+from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
@@ -180,23 +180,11 @@ class GPT2LMModel(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.decode_head = None
 
-    @contextmanager
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (see the torch backend):
         each linear layer and the LM head use a materialised (in, out) copy of their weight
         with the LoRA update added. The parameters are untouched."""
-        linears = [m for m in self.modules() if isinstance(m, LoRALinear)]
-        try:
-            with jt.no_grad():
-                for m in linears:
-                    m.decode_weight = pack_weight(m.merged_weight(), rows)
-                head = self.wte.weight + self.wte.delta_weight() if self.wte.r and not self.wte.merged else self.wte.weight
-                self.decode_head = pack_weight(head, rows)
-            yield self
-        finally:
-            for m in linears:
-                m.decode_weight = None
-            self.decode_head = None
+        return decoding_weights(self, pack_weight, jt.no_grad, rows)
 
     def train(self):
         for m in self.modules():

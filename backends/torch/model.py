@@ -12,8 +12,6 @@ Contract (same in every backend):
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,6 +19,7 @@ from torch import nn
 
 from lora_core.checkpoint import check_tensors
 from lora_core.config import GPT2Config, LoRAConfig
+from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
@@ -184,24 +183,12 @@ class GPT2LMModel(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.decode_head = None
 
-    @contextmanager
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block: each linear layer and the
         LM head use a copy of their weight with the LoRA update added, pre-packed for oneDNN on
         CPU (``pack_weight``). The parameters are untouched; do not change them in the block.
         ``rows`` is the expected number of rows per forward (a layout hint)."""
-        linears = [m for m in self.modules() if isinstance(m, LoRALinear)]
-        try:
-            with torch.no_grad():
-                for m in linears:
-                    m.decode_weight = pack_weight(m.merged_weight(), rows)
-                head = self.wte.weight + self.wte.delta_weight() if self.wte.r and not self.wte.merged else self.wte.weight
-                self.decode_head = pack_weight(head, rows)
-            yield self
-        finally:
-            for m in linears:
-                m.decode_weight = None
-            self.decode_head = None
+        return decoding_weights(self, pack_weight, torch.no_grad, rows)
 
     def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
                position_ids=None) -> tuple[torch.Tensor, Past]:
