@@ -219,6 +219,18 @@ def left_pad(contexts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.nda
     return ids, mask
 
 
+def compose_rows(pending: np.ndarray | None, rows: np.ndarray, repeats: int) -> np.ndarray | None:
+    """A cache reorder that waits for the next forward pass: ``rows`` (row ``j`` continues old
+    row ``rows[j]``) applied after ``pending`` (or nothing); None when the result is the
+    identity. Rows may only move within their input's ``repeats`` beams (the shared prompt)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not np.array_equal(rows // repeats, np.arange(len(rows)) // repeats):
+        raise ValueError("KVCache.reorder: a row may only continue a beam of its own input")
+    if pending is not None:
+        rows = pending[rows]
+    return None if np.array_equal(rows, np.arange(len(rows))) else rows
+
+
 def run_beam_search(forward: Callable, repeat_rows: Callable, reorder: Callable,
                     contexts: Sequence[Sequence[int]], cfg: BeamConfig) -> list[list[int]]:
     """Drive one batch. The backend supplies three tensor primitives:

@@ -13,6 +13,7 @@ import jittor as jt
 import numpy as np
 from jittor import nn
 
+from lora_core.beam import compose_rows
 from lora_core.checkpoint import check_tensors
 from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.layers import decoding_weights
@@ -41,12 +42,7 @@ class KVCache:
     def reorder(self, rows: np.ndarray) -> None:
         """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
         next forward pass)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if not np.array_equal(rows // self.repeats, np.arange(len(rows)) // self.repeats):
-            raise ValueError("KVCache.reorder: a row may only continue a beam of its own input")
-        if self.rows is not None:
-            rows = self.rows[rows]
-        self.rows = None if np.array_equal(rows, np.arange(len(rows))) else rows
+        self.rows = compose_rows(self.rows, rows, self.repeats)
         self._index = None
 
     def attend(self, i: int, q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var) -> jt.Var:

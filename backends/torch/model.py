@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_core.beam import compose_rows
 from lora_core.checkpoint import check_tensors
 from lora_core.config import GPT2Config, LoRAConfig
 from lora_core.layers import decoding_weights
@@ -48,18 +49,14 @@ class KVCache:
         rows, nh, _, hs = past[0][0].shape
         empty = past[0][0].new_empty((rows * repeats, nh, 0, hs))
         self.generated = [(empty, empty) for _ in past]
-        self.rows: torch.Tensor | None = None  # pending reorder
+        self.pending: np.ndarray | None = None  # reorder for the next forward pass
+        self.rows: torch.Tensor | None = None  # the same as a tensor
 
     def reorder(self, rows: np.ndarray) -> None:
         """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
         next forward pass)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if not np.array_equal(rows // self.repeats, np.arange(len(rows)) // self.repeats):
-            raise ValueError("KVCache.reorder: a row may only continue a beam of its own input")
-        if self.rows is not None:
-            rows = self.rows.cpu().numpy()[rows]
-        identity = np.array_equal(rows, np.arange(len(rows)))
-        self.rows = None if identity else torch.from_numpy(rows).to(self.prompt[0][0].device)
+        self.pending = compose_rows(self.pending, rows, self.repeats)
+        self.rows = None if self.pending is None else torch.from_numpy(self.pending).to(self.prompt[0][0].device)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Layer ``i``: store the new keys/values ``k``, ``v`` (rows, nh, T, hs) after the
@@ -93,7 +90,7 @@ class KVCache:
     def advance(self, T: int) -> None:
         """Called once every layer has taken its ``T`` new positions."""
         self.length += T
-        self.rows = None
+        self.pending = self.rows = None
 
 
 def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
