@@ -8,6 +8,10 @@ below (one thread). jittor already loads oneDNN for its own 2-D ``mkl_matmul``; 
 the same library. Without it (jittor built without oneDNN, or on CUDA, where ``jt.matmul``
 uses cuBLAS' batched GEMM) the plain ``jt.matmul`` is used.
 
+``softmax_scaled``: ``softmax(x * scale + bias)`` over the last axis with its gradient, one
+pass per row; jittor's fused broadcast/reduce kernels for the same expression took 5.2 ms
+per demo-size layer (batch 8, 4 heads, 50 tokens), forward plus backward, against 1.1 ms.
+
 ``grow_rows``: the beam-search cache step (gather the rows of the beams that continue,
 append the new position) as one copy; as two jittor ops (getitem, then concat) it copied
 twice (35 ms per gpt2 step of 300).
@@ -110,3 +114,53 @@ def rows_dot(q: jt.Var, k: jt.Var) -> jt.Var:
             }
         }
     """)
+
+
+_SOFTMAX_FWD = """
+    const long B = in0_shape0, nh = in0_shape1, T = in0_shape2, L = in0_shape3, Bb = in1_shape0;
+    for (long b = 0; b < B; b++) for (long h = 0; h < nh; h++) for (long t = 0; t < T; t++) {
+        const long o = ((b * nh + h) * T + t) * L;
+        const float* x = in0_p + o;
+        const float* m = in1_p + ((Bb == 1 ? 0 : b) * T + t) * L;
+        float* y = out0_p + o;
+        float mx = -INFINITY;
+        for (long j = 0; j < L; j++) { const float v = x[j] * SCALE + m[j]; y[j] = v; mx = v > mx ? v : mx; }
+        float s = 0.f;
+        for (long j = 0; j < L; j++) { const float e = std::exp(y[j] - mx); y[j] = e; s += e; }
+        const float inv = 1.f / s;
+        for (long j = 0; j < L; j++) y[j] *= inv;
+    }
+"""
+_SOFTMAX_BWD = """
+    const long n = in0_shape0 * in0_shape1 * in0_shape2, L = in0_shape3;
+    for (long i = 0; i < n; i++) {
+        const float* y = in0_p + i * L;
+        const float* g = in1_p + i * L;
+        float* d = out0_p + i * L;
+        float s = 0.f;
+        for (long j = 0; j < L; j++) s += g[j] * y[j];
+        for (long j = 0; j < L; j++) d[j] = SCALE * y[j] * (g[j] - s);
+    }
+"""
+
+
+class _SoftmaxScaled(jt.Function):
+    def execute(self, x, bias, scale):
+        self.scale = f"{float(scale)!r}f"
+        self.y = jt.code(x.shape, x.dtype, [x, bias], cpu_header="#include <cmath>",
+                         cpu_src=_SOFTMAX_FWD.replace("SCALE", self.scale))
+        return self.y
+
+    def grad(self, g):
+        return jt.code(g.shape, g.dtype, [self.y, g], cpu_src=_SOFTMAX_BWD.replace("SCALE", self.scale)), None
+
+
+def softmax_scaled(x: jt.Var, bias: jt.Var, scale: float) -> jt.Var:
+    """``softmax(x * scale + bias, dim=-1)`` for (B, nh, T, L) ``x`` and (B|1, 1, T, L) ``bias``
+    (a constant: no gradient flows to it)."""
+    if jt.flags.use_cuda:
+        return jt.nn.softmax(x * scale + bias, dim=-1)
+    bias = bias.stop_grad()
+    if bias.shape[2] != x.shape[2] or bias.shape[3] != x.shape[3] or bias.shape[1] != 1 or bias.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"softmax_scaled: bias {bias.shape} does not broadcast to {x.shape}")
+    return _SoftmaxScaled.apply(x, bias, scale)

@@ -20,7 +20,7 @@ from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from ._kernels import bmm, bmm_nt, grow_rows, rows_dot
+from ._kernels import bmm, bmm_nt, grow_rows, rows_dot, softmax_scaled
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad, linear_decode, pack_weight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -67,7 +67,7 @@ class KVCache:
         qb = q.reshape(B, beam, nh, hs).transpose(0, 2, 1, 3).reshape(B * nh, beam, hs)
         sp = bmm_nt(qb, kp.reshape(B * nh, P, hs)).reshape(B, nh, beam, P).transpose(0, 2, 1, 3).reshape(R, nh, 1, P)
         sg = rows_dot(q, kg)  # (R, nh, 1, t)
-        att = nn.softmax(jt.concat([sp, sg], dim=-1) * (1.0 / math.sqrt(hs)) + bias, dim=-1)
+        att = softmax_scaled(jt.concat([sp, sg], dim=-1), bias, 1.0 / math.sqrt(hs))
         ap = att[:, :, :, :P].reshape(B, beam, nh, P).transpose(0, 2, 1, 3).reshape(B * nh, beam, P)
         yp = bmm(ap, vp.reshape(B * nh, P, hs)).reshape(B, nh, beam, hs).transpose(0, 2, 1, 3).reshape(R, nh, 1, hs)
         return yp + (att[:, :, :, P:].transpose(0, 1, 3, 2) * vg).sum(2).unsqueeze(2)
@@ -83,10 +83,10 @@ def attention(q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var, dropout=None) -> jt
     B, nh, T, hs = q.shape
     L = k.shape[2]
     if T == 1 and dropout is None:  # one token against a cache: fused multiply-reduce, no transposed copy of k
-        att = nn.softmax((q * k).sum(-1).unsqueeze(2) * (1.0 / math.sqrt(hs)) + bias, dim=-1)  # (B, nh, 1, L)
+        att = softmax_scaled((q * k).sum(-1).unsqueeze(2), bias, 1.0 / math.sqrt(hs))  # (B, nh, 1, L)
         return (att.transpose(0, 1, 3, 2) * v).sum(2).unsqueeze(2)
     att = bmm_nt(q.reshape(B * nh, T, hs), k.reshape(B * nh, L, hs))
-    att = nn.softmax(att.reshape(B, nh, T, L) * (1.0 / math.sqrt(hs)) + bias, dim=-1)
+    att = softmax_scaled(att.reshape(B, nh, T, L), bias, 1.0 / math.sqrt(hs))
     if dropout is not None:
         att = dropout(att)
     return bmm(att.reshape(B * nh, T, L), v.reshape(B * nh, L, hs)).reshape(B, nh, T, hs)
