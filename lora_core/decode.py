@@ -128,9 +128,11 @@ def read_beam_jsonl(path: str | os.PathLike, n_expected: int, vocab_size: int | 
         out[k] = ids
     if n_lines != n_expected:
         missing = [k for k, v in enumerate(out) if v is None][:5]
-        cut = "; truncated?" if n_lines < n_expected else ""
+        cut = "; was the file cut short?" if n_lines < n_expected else ""
         raise DataFormatError(
-            path, None, f"{n_lines} predictions for {n_expected} unique contexts (first missing indices: {missing}{cut})"
+            path,
+            None,
+            f"{n_lines} predictions for {n_expected} unique contexts (first missing indices: {missing}){cut}",
         )
     return out  # type: ignore[return-value]
 

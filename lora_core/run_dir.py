@@ -104,8 +104,9 @@ def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def resume_point(out_dir: str | os.PathLike, model_config, lora_config,
-                 resume_from: str | os.PathLike | None = None) -> tuple[Path, tuple] | None:
+def resume_point(
+    out_dir: str | os.PathLike, model_config, lora_config, resume_from: str | os.PathLike | None = None
+) -> tuple[Path, tuple] | None:
     """Where a resumed run continues: ``(path, read_checkpoint(path, ...))`` for the checkpoint
     ``OUT/latest`` names (without it, the highest ``ckpt-N``), read completely; None when the
     run saved none.
@@ -149,8 +150,10 @@ def _damage_report(out_dir: Path, bad: Path | None, err: Exception, model_config
             read_checkpoint(p, model_config, lora_config)
         except (ValueError, OSError):  # CheckpointError is a ValueError
             continue
-        return (f"{head}\nThe newest intact checkpoint is {p} (step {_step(p)}): resume from it explicitly "
-                f"with --resume-from {p} (train(..., resume_from=...)); the updates after it are redone.")
+        return (
+            f"{head}\nThe newest intact checkpoint is {p} (step {_step(p)}): resume from it explicitly "
+            f"with --resume-from {p} (train(..., resume_from=...)); the updates after it are redone."
+        )
     return f"{head}\nNo earlier checkpoint in {out_dir} reads completely: start the run again in a new folder."
 
 

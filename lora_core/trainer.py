@@ -244,8 +244,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def fit(self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None,
-            resume_from=None) -> dict:
+    def fit(
+        self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None, resume_from=None
+    ) -> dict:
         """Train to ``total_steps``; returns a summary (last step, loss, valid NLL, checkpoint).
 
         Args:

@@ -16,8 +16,8 @@ from examples.nlg import train as train_cli
 from lora_core.checkpoint import CheckpointError, read_tensors, save_model
 from lora_core.data import DataFormatError, write_jsonl_atomic
 from lora_core.decode import read_beam_jsonl
-from lora_core.optim import pack_state
 from lora_core.naming import TRANSPOSED
+from lora_core.optim import pack_state
 from lora_core.run_dir import read_checkpoint, resume_point, write_checkpoint
 
 CFG, LORA = lc.gpt2_config("tiny-32"), lc.LoRAConfig(r=2)
@@ -81,7 +81,9 @@ def _checkpoint(d: Path):
     moments = {n: np.full(s, 0.5, np.float32) for n, s in shapes.items()}
     meta = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "examples_seen": 12, "tokens_seen": 99}
     d.mkdir()
-    ckpt = write_checkpoint(d, 3, (CFG, LORA, lc.init_lora_weights(CFG, LORA), None), pack_state(moments, moments, 3), meta)
+    ckpt = write_checkpoint(
+        d, 3, (CFG, LORA, lc.init_lora_weights(CFG, LORA), None), pack_state(moments, moments, 3), meta
+    )
     return ckpt, lambda: read_checkpoint(ckpt, CFG, LORA)
 
 
@@ -111,7 +113,12 @@ CASES = {
     "base-bin-legacy": (_base_bin(True), CheckpointError, "truncated legacy PyTorch file", "not a PyTorch checkpoint"),
     "trainer-state": (_trainer_tensors, CheckpointError, "truncated safetensors file", "not a safetensors file"),
     "trainer-json": (_trainer_json, CheckpointError, "truncated JSON file", "not a JSON file"),
-    "beam-jsonl": (_beam, DataFormatError, "line 6: truncated: the file ends inside this line", "line 1: not valid UTF-8"),
+    "beam-jsonl": (
+        _beam,
+        DataFormatError,
+        "line 6: truncated: the file ends inside this line",
+        "line 1: not valid UTF-8",
+    ),
 }
 
 
@@ -127,6 +134,16 @@ def test_damaged_file_is_named_with_its_problem(kind, damage, tmp_path):
     msg = str(e.value)
     assert msg.startswith(str(path)), msg
     assert (cut_says if damage == "cut" else garbage_says) in msg, msg
+
+
+def test_beam_jsonl_cut_at_a_line_end(tmp_path):
+    path, load = _beam(tmp_path / "b")
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))
+    with pytest.raises(
+        DataFormatError,
+        match=re.escape(f"{path}: 4 predictions for 10 unique contexts") + r".*was the file cut short\?",
+    ):
+        load()
 
 
 def test_wrong_tensor_names_in_the_trainer_state(tmp_path):
@@ -166,12 +183,16 @@ def test_from_pretrained_with_a_cut_adapter(backend, tmp_path):
 def _cli_args(backend_name, tmp_path):
     rng = np.random.default_rng(0)
     data = tmp_path / "train.jsonl"
-    pairs = [{"context": rng.integers(1, 64, 6).tolist(), "completion": rng.integers(1, 64, 4).tolist()}
-             for _ in range(24)]
+    pairs = [
+        {"context": rng.integers(1, 64, 6).tolist(), "completion": rng.integers(1, 64, 4).tolist()} for _ in range(24)
+    ]
     write_jsonl_atomic(data, pairs)
-    return ["--backend", backend_name, "--recipe", "toy", "--train", str(data), "--random-init", "tiny-32",
-            "--vocab-size", "64", "--max-steps", "6", "--no-progress", "--out-dir", str(tmp_path / "run"),
-            "--set", "batch_size=4", "warmup=1", "save_every=2", "eval_every=0", "lora_dropout=0.1"]
+    out = tmp_path / "run"
+    return (
+        f"--backend {backend_name} --recipe toy --train {data} --random-init tiny-32 --vocab-size 64 "
+        f"--max-steps 6 --no-progress --out-dir {out} --set batch_size=4 warmup=1 save_every=2 eval_every=0 "
+        "lora_dropout=0.1"
+    ).split()
 
 
 def test_resume_names_the_intact_checkpoint_and_resumes_from_it(backend, tmp_path, capsys):
