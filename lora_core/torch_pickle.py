@@ -14,6 +14,7 @@ ending early, neither format).
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import zipfile
 import zlib
@@ -179,11 +180,13 @@ def _load_legacy_body(f):
 
 
 def _read_exact(f, n: int, what: str) -> bytes:
-    raw = f.read(n)
-    if len(raw) != n:
+    left = os.fstat(f.fileno()).st_size - f.tell()
+    if n < 0:
+        raise CheckpointError(f"{f.name}: damaged legacy PyTorch file ({what}: a negative size {n})")
+    if n > left:  # checked before reading: a garbled size must not allocate terabytes
         raise CheckpointError(f"{f.name}: truncated legacy PyTorch file ({what} needs {n} bytes, "
-                              f"the file has {len(raw)} left)")
-    return raw
+                              f"the file has {left} left)")
+    return f.read(n)
 
 
 def _resolve(obj):
