@@ -8,12 +8,14 @@
   ``adapter.safetensors`` (LoRA tensors and the trained biases, canonical names).
 
 Every loader lists missing, unexpected and mis-shaped keys in one ``CheckpointError``
-(nanoGPT / peft strictness; no ``strict=False``). Writers go through a temp file and
+(nanoGPT / peft strictness; no ``strict=False``); a file cut short or of the wrong format
+raises one naming the file and the damage (``lora_core.tensor_files``). Writers go through a temp file and
 ``os.replace`` so that a kill never leaves a half-written file under the final name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -23,15 +25,12 @@ import numpy as np
 
 from .config import GPT2Config, LoRAConfig
 from .naming import TRANSPOSED, base_shapes, is_non_parameter, lora_shapes, trainable_names
+from .tensor_files import CheckpointError, read_json, read_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter.safetensors"
 MODEL_CONFIG, MODEL_WEIGHTS = "config.json", "model.safetensors"
 FORMAT_VERSION = 1
 _HEADS_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the model: names the file and every bad key."""
 
 
 def check_tensors(path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
@@ -49,18 +48,6 @@ def check_tensors(path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> 
         if shapes:
             parts.append(f"  shape mismatches ({len(shapes)}): {shapes}")
         raise CheckpointError("\n".join(parts))
-
-
-def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Tensors of a ``.safetensors`` or ``torch.save`` file as numpy arrays (no torch needed)."""
-    path = str(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
-        return load_file(path)
-    from .torch_pickle import load_torch_file
-    return load_torch_file(path)
 
 
 def atomic_write(path: str | os.PathLike, write) -> None:
@@ -167,13 +154,22 @@ def save_model(path: str | os.PathLike, cfg: GPT2Config, tensors: dict[str, np.n
 def load_model(path: str | os.PathLike) -> tuple[GPT2Config, LoRAConfig | None, dict[str, np.ndarray]]:
     """Load what ``save_model`` wrote (strict)."""
     path = Path(path)
-    with open(path / MODEL_CONFIG, encoding="utf-8") as f:
-        meta = json.load(f)
-    lora = LoRAConfig.from_dict(meta["lora"]) if meta.get("lora") else None
-    cfg = GPT2Config.from_dict({k: v for k, v in meta.items() if k not in ("model_type", "lora_core_format", "lora")})
+    meta = read_json(path / MODEL_CONFIG)
+    with _config_errors(path / MODEL_CONFIG, "model config"):
+        lora = LoRAConfig.from_dict(meta["lora"]) if meta.get("lora") else None
+        cfg = GPT2Config.from_dict({k: v for k, v in meta.items() if k not in ("model_type", "lora_core_format", "lora")})
     tensors = read_tensors(path / MODEL_WEIGHTS)
     check_tensors(path / MODEL_WEIGHTS, tensors, dict(base_shapes(cfg), **(lora_shapes(cfg, lora) if lora else {})))
     return cfg, lora, tensors
+
+
+@contextlib.contextmanager
+def _config_errors(path: Path, what: str):
+    """Re-raise a config JSON's missing or bad fields as a ``CheckpointError`` naming the file."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a valid {what} ({type(e).__name__}: {e})") from e
 
 
 def adapter_shapes(cfg: GPT2Config, lora: LoRAConfig) -> dict[str, tuple[int, ...]]:
@@ -209,10 +205,10 @@ def load_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, GPT2Config, dict[
     cfg_path = path / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: no adapter config (is {path} an adapter folder?)")
-    with open(cfg_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    lora = LoRAConfig.from_dict(meta["lora"])
-    cfg = GPT2Config.from_dict(meta["base_config"])
+    meta = read_json(cfg_path)
+    with _config_errors(cfg_path, "adapter config"):
+        lora = LoRAConfig.from_dict(meta["lora"])
+        cfg = GPT2Config.from_dict(meta["base_config"])
     tensors = read_tensors(path / ADAPTER_WEIGHTS)
     check_tensors(path / ADAPTER_WEIGHTS, tensors, adapter_shapes(cfg, lora))
     return lora, cfg, tensors, meta.get("base")
@@ -275,5 +271,4 @@ def resolve_pretrained(path: str | os.PathLike | None, lora: LoRAConfig | None =
 
 
 def _is_ours(cfg_path: Path) -> bool:
-    with open(cfg_path, encoding="utf-8") as f:
-        return "lora_core_format" in json.load(f)
+    return "lora_core_format" in read_json(cfg_path)

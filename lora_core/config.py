@@ -7,9 +7,10 @@ for the fused qkv projection), nanoGPT ``GPTConfig`` and HF ``GPT2Config`` (size
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Literal
+
+from .tensor_files import read_json
 
 BiasMode = Literal["none", "all", "lora_only"]
 _BIAS_MODES = ("none", "all", "lora_only")
@@ -129,8 +130,7 @@ class GPT2Config:
     def from_hf_json(cls, path: str) -> GPT2Config:
         """The architecture from an HF ``config.json``. Its dropouts (0.1 in OpenAI's GPT-2
         configs) are not taken: the LoRA paper's code trains with them at 0, our default."""
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        d = read_json(path)  # a cut or garbled file: CheckpointError naming it
         if d.get("model_type", "gpt2") != "gpt2":
             raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not gpt2")
         keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")

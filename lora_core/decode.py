@@ -114,7 +114,8 @@ def read_beam_jsonl(path: str | os.PathLike, n_expected: int, vocab_size: int | 
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataFormatError(path, lineno, f"broken JSON: {e.msg} at column {e.colno}") from None
+            cut = "truncated: the file ends inside this line; " if not text.endswith("\n") else ""
+            raise DataFormatError(path, lineno, f"{cut}broken JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(obj, dict) or "index" not in obj or "tokens" not in obj:
             raise DataFormatError(path, lineno, "expected an object with 'index' and 'tokens'")
         k, ids = obj["index"], obj["tokens"]
@@ -127,8 +128,11 @@ def read_beam_jsonl(path: str | os.PathLike, n_expected: int, vocab_size: int | 
         out[k] = ids
     if n_lines != n_expected:
         missing = [k for k, v in enumerate(out) if v is None][:5]
+        cut = "; was the file cut short?" if n_lines < n_expected else ""
         raise DataFormatError(
-            path, None, f"{n_lines} predictions for {n_expected} unique contexts (first missing indices: {missing})"
+            path,
+            None,
+            f"{n_lines} predictions for {n_expected} unique contexts (first missing indices: {missing}){cut}",
         )
     return out  # type: ignore[return-value]
 

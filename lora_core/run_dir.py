@@ -4,7 +4,9 @@ read runs: ``train_config.json``, ``log.jsonl``, ``ckpt-{step}/`` and ``latest``
 A checkpoint ``OUT/ckpt-{step}/`` holds the adapter (``save_adapter``), the optimizer moments
 (``trainer_state.safetensors``) and ``trainer_state.json`` (position, schedule, RNG recipe).
 It is written in a hidden temp folder renamed into place, then the ``OUT/latest`` pointer is
-replaced atomically; temp leftovers of a killed run are ignored and removed.
+replaced atomically; temp leftovers of a killed run are ignored and removed. A checkpoint
+damaged later (a cut copy, a full disk) is never skipped silently: ``resume_point`` reports
+it with the newest earlier checkpoint that reads completely, to be resumed from explicitly.
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointError,
+    adapter_shapes,
     atomic_write,
+    check_tensors,
     load_adapter,
+    read_json,
     read_tensors,
     save_adapter,
     write_json_atomic,
@@ -33,6 +41,7 @@ __all__ = [
     "CONFIG_FILE",
     "LATEST_FILE",
     "find_checkpoint",
+    "resume_point",
     "read_log",
     "write_checkpoint",
     "read_checkpoint",
@@ -42,6 +51,7 @@ __all__ = [
 LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 FORMAT_VERSION = 1
+STATE_FIELDS = ("step", "epoch", "batch_in_epoch", "examples_seen", "tokens_seen")
 
 
 def fingerprint(pairs) -> str:
@@ -63,18 +73,93 @@ def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``OUT/latest`` names; without that file, the highest ``ckpt-N`` (every
-    such folder is complete: it appears by rename). Hidden temp folders are ignored."""
-    out_dir = Path(out_dir)
+def _step(path: Path) -> int | None:
+    """N of a ``ckpt-N`` folder name, else None."""
+    return int(path.name[5:]) if path.name.startswith("ckpt-") and path.name[5:].isdigit() else None
+
+
+def _named_checkpoint(out_dir: Path) -> Path | None:
+    """The folder ``OUT/latest`` names (not checked), else the highest ``ckpt-N`` folder."""
     latest = out_dir / LATEST_FILE
     if latest.is_file():
-        path = out_dir / latest.read_text(encoding="utf-8").strip()
-        if not (path / STATE_JSON).is_file():
-            raise FileNotFoundError(f"{latest} names {path.name}, which is not a complete checkpoint")
-        return path
-    done = [p for p in out_dir.glob("ckpt-*") if p.name[5:].isdigit() and (p / STATE_JSON).is_file()]
-    return max(done, key=lambda p: int(p.name[5:])) if done else None
+        name = latest.read_bytes().decode("utf-8", errors="replace").strip()
+        if _step(Path(name)) is None or "/" in name:
+            raise CheckpointError(f"{latest}: damaged pointer file (holds {name[:40]!r}, not a ckpt-N name)")
+        return out_dir / name
+    done = [p for p in out_dir.glob("ckpt-*") if _step(p) is not None and p.is_dir()]
+    return max(done, key=_step) if done else None
+
+
+def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``OUT/latest`` names; without that file, the highest ``ckpt-N`` (every
+    such folder is complete: it appears by rename). Hidden temp folders are ignored.
+
+    Raises:
+        FileNotFoundError: the folder found is not a complete checkpoint (no trainer state).
+        CheckpointError: ``OUT/latest`` does not hold a checkpoint name.
+    """
+    path = _named_checkpoint(Path(out_dir))
+    if path is not None and not (path / STATE_JSON).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_JSON})")
+    return path
+
+
+def resume_point(
+    out_dir: str | os.PathLike, model_config, lora_config, resume_from: str | os.PathLike | None = None
+) -> tuple[Path, tuple] | None:
+    """Where a resumed run continues: ``(path, read_checkpoint(path, ...))`` for the checkpoint
+    ``OUT/latest`` names (without it, the highest ``ckpt-N``), read completely; None when the
+    run saved none.
+
+    Args:
+        resume_from: a ``ckpt-N`` folder of ``out_dir`` to continue from instead (the user's
+            choice after a damaged latest one); ``OUT/latest`` is pointed at it.
+
+    Raises:
+        CheckpointError: that checkpoint is damaged (a file cut short, garbled or missing).
+            The message names the file and the damage, and the newest earlier checkpoint
+            that reads completely, with the option to resume from it (``--resume-from``);
+            it is never picked silently.
+    """
+    out_dir, path = Path(out_dir), None
+    if resume_from is not None:
+        path = Path(resume_from)
+        if _step(path) is None or not path.is_dir() or path.resolve().parent != out_dir.resolve():
+            raise ValueError(f"--resume-from {path}: not a ckpt-N folder of the run {out_dir}")
+        found = path, read_checkpoint(path, model_config, lora_config)
+        point_latest(out_dir, path)
+        return found
+    try:
+        path = _named_checkpoint(out_dir)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise CheckpointError(f"{out_dir / LATEST_FILE} names {path.name}, which does not exist")
+        return path, read_checkpoint(path, model_config, lora_config)
+    except CheckpointError as e:
+        raise CheckpointError(_damage_report(out_dir, path, e, model_config, lora_config)) from e
+
+
+def _damage_report(out_dir: Path, bad: Path | None, err: Exception, model_config, lora_config) -> str:
+    """The error of a damaged latest checkpoint, naming the newest earlier one that reads completely."""
+    limit = _step(bad) if bad is not None and _step(bad) is not None else float("inf")
+    earlier = [p for p in out_dir.glob("ckpt-*") if p.is_dir() and _step(p) is not None and _step(p) < limit]
+    head = f"cannot resume: the latest checkpoint is damaged: {err}"
+    for p in sorted(earlier, key=_step, reverse=True):
+        try:
+            read_checkpoint(p, model_config, lora_config)
+        except (ValueError, OSError):  # CheckpointError is a ValueError
+            continue
+        return (
+            f"{head}\nThe newest intact checkpoint is {p} (step {_step(p)}): resume from it explicitly "
+            f"with --resume-from {p} (train(..., resume_from=...)); the updates after it are redone."
+        )
+    return f"{head}\nNo earlier checkpoint in {out_dir} reads completely: start the run again in a new folder."
+
+
+def point_latest(out_dir: Path, path: Path) -> None:
+    """Replace ``OUT/latest`` atomically by the name of the checkpoint ``path``."""
+    atomic_write(out_dir / LATEST_FILE, lambda p: Path(p).write_text(path.name + "\n", encoding="utf-8"))
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:
@@ -113,20 +198,34 @@ def write_checkpoint(out_dir: Path, step: int, adapter: tuple, optimizer_state: 
         os.replace(final, trash / name)
         shutil.rmtree(trash)
     os.replace(tmp, final)
-    atomic_write(out_dir / LATEST_FILE, lambda p: Path(p).write_text(name + "\n", encoding="utf-8"))
+    point_latest(out_dir, final)
     return final
 
 
 def read_checkpoint(path, model_config, lora_config) -> tuple[dict, dict, dict]:
-    """Adapter tensors, optimizer state and ``trainer_state.json`` of a checkpoint folder;
-    strict: the adapter must have been trained with ``lora_config`` on ``model_config``."""
+    """Adapter tensors, optimizer state and ``trainer_state.json`` of a checkpoint folder, every
+    file read completely and checked; strict: the adapter must have been trained with
+    ``lora_config`` on ``model_config``.
+
+    Raises:
+        CheckpointError: a file is missing, cut short, garbled or holds the wrong tensors.
+        ValueError: the checkpoint belongs to another model or LoRA config.
+    """
     path = Path(path)
+    missing = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_TENSORS, STATE_JSON) if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
     lora, cfg, tensors, _ = load_adapter(path)
     if lora != lora_config or cfg != model_config:
         raise ValueError(
             f"{path}: adapter was trained with {lora} on {cfg}, the model has {lora_config} on {model_config}"
         )
     opt = read_tensors(path / STATE_TENSORS)
-    if "t" in opt:
-        opt["t"] = opt["t"].reshape(())  # stored (1,): safetensors writers make scalars 1-d
-    return tensors, opt, json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+    expected = {f"{k}.{n}": shape for n, shape in adapter_shapes(cfg, lora).items() for k in ("m", "v")}
+    check_tensors(path / STATE_TENSORS, opt, {**expected, "t": (1,)})  # safetensors writers make scalars 1-d
+    opt["t"] = opt["t"].reshape(())
+    meta = read_json(path / STATE_JSON)
+    bad = [k for k in STATE_FIELDS if type(meta.get(k)) is not int]
+    if bad:
+        raise CheckpointError(f"{path / STATE_JSON}: not a trainer state (no integer {bad})")
+    return tensors, opt, meta

@@ -6,18 +6,26 @@ pickle, the storage keys, then each storage as an int64 element count and raw by
 the HF ``gpt2`` ``pytorch_model.bin`` files of 2019 are legacy). Only the classes a
 state dict needs are resolved; anything else is refused (no arbitrary code runs).
 Follows ``torch/serialization.py`` (``_load``, ``_legacy_load``) and
-``torch/_utils.py`` (``_rebuild_tensor_v2``).
+``torch/_utils.py`` (``_rebuild_tensor_v2``). A file cut short or of another format raises
+``CheckpointError`` naming the file and the damage (truncated zip archive, legacy stream
+ending early, neither format).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import zipfile
+import zlib
 
 import numpy as np
 
+from .tensor_files import CheckpointError
+
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PREFIX = pickle.dumps(_LEGACY_MAGIC, protocol=2)  # torch.save's first record
+_ZIP_MAGIC = b"PK\x03\x04"
 _DTYPES = {
     "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
     "BFloat16Storage": "bfloat16", "LongStorage": np.int64, "IntStorage": np.int32,
@@ -41,6 +49,10 @@ def _rebuild_tensor(storage, offset, size, stride, *_args):
     if arr is None:
         raise ValueError(f"storage {storage.key!r} has no data")
     itemsize = arr.dtype.itemsize
+    end = offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1 if all(size) else offset
+    if offset < 0 or end > len(arr):
+        raise ValueError(f"tensor of size {tuple(size)} at offset {offset} lies outside its storage "
+                         f"{storage.key!r} of {len(arr)} elements")
     if not size:
         return np.array(arr[offset], copy=True)
     view = np.lib.stride_tricks.as_strided(arr[offset:], shape=tuple(size),
@@ -76,6 +88,13 @@ class _Unpickler(pickle.Unpickler):
         return self._load_storage(pid)
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """For the legacy header records (ints, a dict of ints, a list of keys): no classes at all."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} in a header record")
+
+
 class _Deferred:
     """A tensor of the legacy format, built once its storage bytes (after the pickle) are read."""
 
@@ -84,52 +103,90 @@ class _Deferred:
 
 
 def _load_zip(path: str) -> dict:
-    with zipfile.ZipFile(path) as zf:
-        pkl = next(n for n in zf.namelist() if n.endswith("data.pkl"))
-        root = pkl[: -len("data.pkl")]
-        cache = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            pkls = [n for n in zf.namelist() if n.endswith("data.pkl")]
+            if not pkls:
+                raise CheckpointError(f"{path}: a zip archive without data.pkl: not a torch.save file")
+            root = pkls[0][: -len("data.pkl")]
+            cache = {}
 
-        def load_storage(pid):
-            _, stype, key, _location, _numel = pid
-            if key not in cache:
-                st = _Storage(_DTYPES[stype], key)
-                st.array = _as_array(zf.read(f"{root}data/{key}"), st.dtype)
-                cache[key] = st
-            return cache[key]
+            def load_storage(pid):
+                _, stype, key, _location, _numel = pid
+                if key not in cache:
+                    st = _Storage(_DTYPES[stype], key)
+                    st.array = _as_array(zf.read(f"{root}data/{key}"), st.dtype)
+                    cache[key] = st
+                return cache[key]
 
-        with zf.open(pkl) as f:
-            return _Unpickler(f, load_storage).load()
+            with zf.open(pkls[0]) as f:
+                return _Unpickler(f, load_storage).load()
+    except (zipfile.BadZipFile, zlib.error, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: damaged PyTorch zip archive ({type(e).__name__}: {e})") from e
 
 
 def _load_legacy(path: str) -> dict:
     with open(path, "rb") as f:
-        if pickle.load(f) != _LEGACY_MAGIC:
-            raise ValueError(f"{path}: not a PyTorch checkpoint (bad magic number)")
-        pickle.load(f)  # protocol version
-        pickle.load(f)  # sys info
-        storages, views = {}, []
+        try:
+            magic = _PlainUnpickler(f).load()
+        except Exception as e:  # random bytes make pickle raise almost anything
+            f.seek(0)
+            head = f.read(len(_LEGACY_PREFIX))
+            if len(head) < len(_LEGACY_PREFIX) and _LEGACY_PREFIX.startswith(head):
+                raise CheckpointError(f"{path}: truncated legacy PyTorch file ({len(head)} bytes)") from e
+            raise CheckpointError(f"{path}: not a PyTorch checkpoint (neither a zip archive nor a legacy "
+                                  f"pickle: {type(e).__name__}: {e})") from e
+        if magic != _LEGACY_MAGIC:
+            raise CheckpointError(f"{path}: not a PyTorch checkpoint (neither a zip archive nor a legacy "
+                                  f"torch.save file: its first pickle is not the magic number)")
+        try:
+            return _resolve(_load_legacy_body(f))
+        except (EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            cut = isinstance(e, EOFError) or "truncated" in str(e)
+            why = "truncated legacy PyTorch file (it ends inside a pickle)" if cut else "damaged legacy PyTorch file"
+            raise CheckpointError(f"{path}: {why} ({type(e).__name__}: {e})") from e
 
-        def load_storage(pid):
-            _, stype, key, _location, _numel, view = pid
-            if key not in storages:
-                storages[key] = _Storage(_DTYPES[stype], key)
-            if view is not None:  # (view_key, offset, size): a slice of the root storage
-                vkey, off, size = view
-                vs = _Storage(storages[key].dtype, vkey)
-                views.append((vs, storages[key], off, size))
-                return vs
-            return storages[key]
 
-        obj = _Unpickler(f, load_storage, rebuild=lambda *args: _Deferred(args)).load()
-        keys = pickle.load(f)
-        for key in keys:
-            st = storages[key]
-            n = int(np.frombuffer(f.read(8), dtype="<i8")[0])
-            itemsize = 2 if st.dtype == "bfloat16" else np.dtype(st.dtype).itemsize
-            st.array = _as_array(f.read(n * itemsize), st.dtype)
-        for vs, base, off, size in views:
-            vs.array = base.array[off:off + size]
-    return _resolve(obj)
+def _load_legacy_body(f):
+    """Everything after the magic number: protocol, sys info, the pickle, storage keys, storages."""
+    _PlainUnpickler(f).load()  # protocol version
+    _PlainUnpickler(f).load()  # sys info
+    storages, views = {}, []
+
+    def load_storage(pid):
+        _, stype, key, _location, _numel, view = pid
+        if key not in storages:
+            storages[key] = _Storage(_DTYPES[stype], key)
+        if view is not None:  # (view_key, offset, size): a slice of the root storage
+            vkey, off, size = view
+            vs = _Storage(storages[key].dtype, vkey)
+            views.append((vs, storages[key], off, size))
+            return vs
+        return storages[key]
+
+    obj = _Unpickler(f, load_storage, rebuild=lambda *args: _Deferred(args)).load()
+    for key in _PlainUnpickler(f).load():
+        st = storages[key]
+        n = int(np.frombuffer(_read_exact(f, 8, f"the element count of storage {key!r}"), dtype="<i8")[0])
+        itemsize = 2 if st.dtype == "bfloat16" else np.dtype(st.dtype).itemsize
+        st.array = _as_array(_read_exact(f, n * itemsize, f"storage {key!r}"), st.dtype)
+    for vs, base, off, size in views:
+        vs.array = base.array[off:off + size]
+    return obj
+
+
+def _read_exact(f, n: int, what: str) -> bytes:
+    left = os.fstat(f.fileno()).st_size - f.tell()
+    if n < 0:
+        raise CheckpointError(f"{f.name}: damaged legacy PyTorch file ({what}: a negative size {n})")
+    if n > left:  # checked before reading: a garbled size must not allocate terabytes
+        raise CheckpointError(f"{f.name}: truncated legacy PyTorch file ({what} needs {n} bytes, "
+                              f"the file has {left} left)")
+    return f.read(n)
 
 
 def _resolve(obj):
@@ -141,13 +198,28 @@ def _resolve(obj):
 
 
 def load_torch_file(path: str) -> dict[str, np.ndarray]:
-    """A state dict saved by ``torch.save`` as ``{name: np.ndarray}`` (torch not needed)."""
-    state = _load_zip(path) if zipfile.is_zipfile(path) else _load_legacy(path)
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+    """A state dict saved by ``torch.save`` as ``{name: np.ndarray}`` (torch not needed).
+
+    Raises:
+        CheckpointError: the file is cut short, damaged, not a ``torch.save`` file, or
+            holds something other than a dict of tensors.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise CheckpointError(f"{path}: empty file (truncated to 0 bytes?)")
+    is_zip = head == _ZIP_MAGIC
+    if is_zip and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: truncated zip archive (no end-of-central-directory record; "
+                              f"was the file cut short?)")
+    state = _load_zip(path) if is_zip else _load_legacy(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    if "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if "model_state_dict" in state and isinstance(state["model_state_dict"], dict):
         state = state["model_state_dict"]
     bad = [k for k, v in state.items() if not isinstance(v, np.ndarray)]
     if bad:
-        raise ValueError(f"{path}: entries that are not tensors: {bad[:5]}")
+        raise CheckpointError(f"{path}: entries that are not tensors: {bad[:5]}")
     return dict(state)

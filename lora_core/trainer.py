@@ -22,7 +22,9 @@ checkpoint ``OUT/ckpt-{step}/`` holds the adapter (``save_adapter``), the optimi
 the epoch, schedule, RNG recipe, data fingerprint). It is written in a hidden temp folder
 renamed into place, then the ``OUT/latest`` pointer is replaced atomically; temp leftovers
 of a killed run are ignored and removed. A resumed run therefore ends with the same
-weights as an uninterrupted one, bit for bit on the same machine and backend.
+weights as an uninterrupted one, bit for bit on the same machine and backend. A latest
+checkpoint damaged afterwards (a cut copy) stops ``resume`` with an error naming the damage
+and the newest intact earlier checkpoint, which ``resume_from`` then continues from.
 
 Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per line, ``kind``
 ``start``/``train``/``eval``), ``ckpt-{step}/``, ``latest``.
@@ -55,6 +57,7 @@ from .run_dir import (
     read_checkpoint,
     read_log,
     remove_temp_files,
+    resume_point,
     write_checkpoint,
 )
 from .schedule import lr_at
@@ -180,7 +183,7 @@ class Trainer:
             "data": {"n_train": len(pairs), "sha256": fingerprint(pairs)},
         }
 
-    def _prepare_dir(self, pairs, resume: bool) -> None:
+    def _prepare_dir(self, pairs, resume: bool, resume_from=None) -> None:
         out, run = self.out_dir, self._run_config(pairs)
         out.mkdir(parents=True, exist_ok=True)
         old = out / CONFIG_FILE
@@ -193,9 +196,9 @@ class Trainer:
             if diff:
                 raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
         write_json_atomic(old, run)
-        ckpt = find_checkpoint(out) if resume else None
-        if ckpt is not None:
-            self.load_checkpoint(ckpt)
+        found = resume_point(out, self.model.config, self.model.lora_config, resume_from) if resume else None
+        if found is not None:
+            self._restore(*found[1])
         if resume:  # drop log lines past the checkpoint: the resumed run writes them again
             log = out / LOG_FILE
             keep = [r for r in read_log(log) if r.get("step", 0) <= self.state.step] if log.is_file() else []
@@ -232,20 +235,28 @@ class Trainer:
 
     def load_checkpoint(self, path) -> None:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
-        tensors, opt, meta = read_checkpoint(path, self.model.config, self.model.lora_config)
+        self._restore(*read_checkpoint(path, self.model.config, self.model.lora_config))
+
+    def _restore(self, tensors: dict, opt: dict, meta: dict) -> None:
         self.model.load_partial(tensors)
         self.optimizer.load_state_numpy(opt)
         self.state = TrainerState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainerState)})
 
     # ---------------------------------------------------------------- the loop
 
-    def fit(self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None) -> dict:
+    def fit(
+        self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None, resume_from=None
+    ) -> dict:
         """Train to ``total_steps``; returns a summary (last step, loss, valid NLL, checkpoint).
 
         Args:
             train_examples, valid_examples: ``(context_ids, completion_ids)`` pairs or
                 ``read_encoded`` records.
-            resume: continue from ``OUT/latest`` (a fresh start if none was saved yet).
+            resume: continue from ``OUT/latest`` (a fresh start if none was saved yet); a
+                damaged latest checkpoint raises ``CheckpointError`` naming the newest
+                intact one.
+            resume_from: continue from this ``OUT/ckpt-N`` folder instead (implies
+                ``resume``); ``OUT/latest`` is pointed at it.
             kill_after: test hook: after update N (and its log and checkpoint) the process
                 kills itself with SIGKILL, as a crash would.
         """
@@ -253,7 +264,7 @@ class Trainer:
         pairs = _pairs(train_examples)
         valid = _pairs(valid_examples or [])[: cfg.eval_limit]
         self._check_ids(pairs + valid)
-        self._prepare_dir(pairs, resume)
+        self._prepare_dir(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
         self._log(
@@ -404,6 +415,7 @@ def train(
     progress: bool = True,
     base_note: str | None = None,
     kill_after: int | None = None,
+    resume_from=None,
 ) -> dict:
     """Train ``model`` with ``cfg`` into ``out_dir``; see :class:`Trainer` and :meth:`Trainer.fit`.
 
@@ -412,4 +424,4 @@ def train(
     if max_steps is not None:
         cfg = dataclasses.replace(cfg, max_steps=max_steps)
     trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note)
-    return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after)
+    return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after, resume_from=resume_from)

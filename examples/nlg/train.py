@@ -10,6 +10,8 @@ and writes the run folder described in ``lora_core.trainer``. Examples::
         --valid out/toy/valid.jsonl --random-init tiny --vocab-size 512 --save-base \\
         --out-dir runs/toy --set lr=1e-3 eval_every=50
     python -m examples.nlg.train ... --out-dir runs/toy --resume   # continue after a kill
+    python -m examples.nlg.train ... --out-dir runs/toy --resume-from runs/toy/ckpt-600
+                                   # when --resume reports the latest checkpoint damaged
 
 ``--init-checkpoint`` takes HF/OpenAI GPT-2 files (``model.safetensors`` or
 ``pytorch_model.bin``, with ``config.json``) or a ``save_model`` folder; ``--random-init``
@@ -68,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint"
     )
+    parser.add_argument(
+        "--resume-from",
+        type=Path,
+        metavar="CKPT",
+        help="continue the run in --out-dir from this ckpt-N folder of it (e.g. the intact one "
+        "--resume names when the latest checkpoint is damaged)",
+    )
     parser.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
     parser.add_argument(
         "--set",
@@ -105,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             base_note=note,
             kill_after=args.stop_after,
+            resume_from=args.resume_from,
         )
     except (ValueError, OSError, CheckpointError) as e:  # DataFormatError, CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,233 @@
+"""Damaged files: every loader (adapter, base model .safetensors / .bin in both torch.save
+formats, trainer state, beam JSONL) names the file and what is wrong with it when the file
+was cut short or is random bytes; ``--resume`` on a run whose latest checkpoint is damaged
+names the damage and the newest intact checkpoint, and ``--resume-from`` continues from it."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lora_core as lc
+from examples.nlg import train as train_cli
+from lora_core.checkpoint import CheckpointError, read_tensors, save_model
+from lora_core.data import DataFormatError, write_jsonl_atomic
+from lora_core.decode import read_beam_jsonl
+from lora_core.naming import TRANSPOSED
+from lora_core.optim import pack_state
+from lora_core.run_dir import read_checkpoint, resume_point, write_checkpoint
+
+CFG, LORA = lc.gpt2_config("tiny-32"), lc.LoRAConfig(r=2)
+
+
+def cut(path: Path) -> None:
+    """What an interrupted copy leaves: the first half of the bytes."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def garbage(path: Path) -> None:
+    """Random bytes (seeded) of the file's size."""
+    path.write_bytes(np.random.default_rng(0).bytes(max(path.stat().st_size, 64)))
+
+
+# --------------------------------------------------------------------------- the files
+
+
+def _hf_state(prefix="transformer."):
+    """GPT-2 weights under HF names (Conv1D weights (in, out)), as a pretrained file holds them."""
+    out = {}
+    for k, v in lc.init_gpt2_weights(CFG).items():
+        out[prefix + k] = v.T.copy() if k.endswith(TRANSPOSED) else v
+    return out
+
+
+def _adapter(d: Path):
+    lc.save_adapter(d, CFG, LORA, lc.init_lora_weights(CFG, LORA))
+    return d / "adapter.safetensors", lambda: lc.load_adapter(d)
+
+
+def _base_safetensors(d: Path):
+    from safetensors.numpy import save_file
+
+    d.mkdir()
+    save_file(_hf_state(), str(d / "model.safetensors"))
+    return d / "model.safetensors", lambda: lc.load_gpt2_checkpoint(d, CFG)
+
+
+def _saved_model(d: Path):
+    save_model(d, CFG, lc.init_gpt2_weights(CFG))
+    return d / "model.safetensors", lambda: lc.load_model(d)
+
+
+def _base_bin(legacy: bool):
+    def make(d: Path):
+        import torch
+
+        d.mkdir()
+        state = {k: torch.from_numpy(v) for k, v in _hf_state().items()}
+        torch.save(state, d / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+        return d / "pytorch_model.bin", lambda: lc.load_gpt2_checkpoint(d, CFG)
+
+    return make
+
+
+def _checkpoint(d: Path):
+    """A run folder with one checkpoint written as the trainer writes it (no backend needed)."""
+    shapes = lc.checkpoint.adapter_shapes(CFG, LORA)
+    moments = {n: np.full(s, 0.5, np.float32) for n, s in shapes.items()}
+    meta = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "examples_seen": 12, "tokens_seen": 99}
+    d.mkdir()
+    ckpt = write_checkpoint(
+        d, 3, (CFG, LORA, lc.init_lora_weights(CFG, LORA), None), pack_state(moments, moments, 3), meta
+    )
+    return ckpt, lambda: read_checkpoint(ckpt, CFG, LORA)
+
+
+def _trainer_tensors(d: Path):
+    ckpt, load = _checkpoint(d)
+    return ckpt / "trainer_state.safetensors", load
+
+
+def _trainer_json(d: Path):
+    ckpt, load = _checkpoint(d)
+    return ckpt / "trainer_state.json", load
+
+
+def _beam(d: Path):
+    d.mkdir()
+    path = d / "beam.jsonl"
+    write_jsonl_atomic(path, ({"index": i, "tokens": [5 * i + j for j in range(7)]} for i in range(10)))
+    return path, lambda: read_beam_jsonl(path, 10, vocab_size=100)
+
+
+# (file maker, error type, what a cut file is called, what a random-bytes file is called)
+CASES = {
+    "adapter": (_adapter, CheckpointError, "truncated safetensors file", "not a safetensors file"),
+    "base-safetensors": (_base_safetensors, CheckpointError, "truncated safetensors file", "not a safetensors file"),
+    "saved-model": (_saved_model, CheckpointError, "truncated safetensors file", "not a safetensors file"),
+    "base-bin-zip": (_base_bin(False), CheckpointError, "truncated zip archive", "not a PyTorch checkpoint"),
+    "base-bin-legacy": (_base_bin(True), CheckpointError, "truncated legacy PyTorch file", "not a PyTorch checkpoint"),
+    "trainer-state": (_trainer_tensors, CheckpointError, "truncated safetensors file", "not a safetensors file"),
+    "trainer-json": (_trainer_json, CheckpointError, "truncated JSON file", "not a JSON file"),
+    "beam-jsonl": (
+        _beam,
+        DataFormatError,
+        "line 6: truncated: the file ends inside this line",
+        "line 1: not valid UTF-8",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_damaged_file_is_named_with_its_problem(kind, damage, tmp_path):
+    make, error, cut_says, garbage_says = CASES[kind]
+    path, load = make(tmp_path / kind)
+    load()  # intact: loads
+    (cut if damage == "cut" else garbage)(path)
+    with pytest.raises(error) as e:
+        load()
+    msg = str(e.value)
+    assert msg.startswith(str(path)), msg
+    assert (cut_says if damage == "cut" else garbage_says) in msg, msg
+
+
+def test_beam_jsonl_cut_at_a_line_end(tmp_path):
+    path, load = _beam(tmp_path / "b")
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))
+    with pytest.raises(
+        DataFormatError,
+        match=re.escape(f"{path}: 4 predictions for 10 unique contexts") + r".*was the file cut short\?",
+    ):
+        load()
+
+
+def test_wrong_tensor_names_in_the_trainer_state(tmp_path):
+    from safetensors.numpy import save_file
+
+    ckpt, load = _checkpoint(tmp_path / "run")
+    opt = read_tensors(ckpt / "trainer_state.safetensors")
+    opt["m.h.0.attn.c_attn.lora_X"] = opt.pop("m.h.0.attn.c_attn.lora_A")
+    save_file(opt, str(ckpt / "trainer_state.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        load()
+    msg = str(e.value)
+    assert msg.startswith(str(ckpt / "trainer_state.safetensors")), msg
+    assert "missing keys (1): ['m.h.0.attn.c_attn.lora_A']" in msg and "m.h.0.attn.c_attn.lora_X" in msg
+
+
+def test_pickle_outside_a_state_dict_is_refused_not_run(tmp_path):
+    """A .bin whose first pickle calls a function: refused, and the function never runs."""
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.bin").write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    with pytest.raises(CheckpointError, match="not a PyTorch checkpoint.*refusing to load os.system"):
+        read_tensors(tmp_path / "evil.bin")
+    assert not marker.exists()
+
+
+def test_from_pretrained_with_a_cut_adapter(backend, tmp_path):
+    save_model(tmp_path / "base", CFG, lc.init_gpt2_weights(CFG))
+    weights, _ = _adapter(tmp_path / "ad")
+    cut(weights)
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights}: truncated safetensors file")):
+        backend.from_pretrained(tmp_path / "base", adapter=tmp_path / "ad")
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+def _cli_args(backend_name, tmp_path):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "train.jsonl"
+    pairs = [
+        {"context": rng.integers(1, 64, 6).tolist(), "completion": rng.integers(1, 64, 4).tolist()} for _ in range(24)
+    ]
+    write_jsonl_atomic(data, pairs)
+    out = tmp_path / "run"
+    return (
+        f"--backend {backend_name} --recipe toy --train {data} --random-init tiny-32 --vocab-size 64 "
+        f"--max-steps 6 --no-progress --out-dir {out} --set batch_size=4 warmup=1 save_every=2 eval_every=0 "
+        "lora_dropout=0.1"
+    ).split()
+
+
+def test_resume_names_the_intact_checkpoint_and_resumes_from_it(backend, tmp_path, capsys):
+    args, run = _cli_args(backend.NAME, tmp_path), tmp_path / "run"
+    assert train_cli.main(args) == 0
+    want = read_tensors(run / "ckpt-6" / "adapter.safetensors")
+    cut(run / "ckpt-6" / "adapter.safetensors")
+    garbage(run / "ckpt-4" / "trainer_state.safetensors")
+    capsys.readouterr()
+    assert train_cli.main(args + ["--resume"]) == 1
+    err = capsys.readouterr().err
+    assert f"{run / 'ckpt-6' / 'adapter.safetensors'}: truncated safetensors file" in err, err
+    assert f"newest intact checkpoint is {run / 'ckpt-2'} (step 2)" in err, err  # ckpt-4 is damaged too
+    option = re.search(r"--resume-from (\S+)", err)
+    assert option and option.group(1) == str(run / "ckpt-2"), err
+    assert (run / "latest").read_text() == "ckpt-6\n"  # nothing was picked silently
+
+    assert train_cli.main(args + ["--resume-from", option.group(1)]) == 0
+    got = read_tensors(run / "ckpt-6" / "adapter.safetensors")
+    assert all(np.array_equal(got[n], want[n]) for n in want), "resumed run differs from the uninterrupted one"
+    assert read_tensors(run / "ckpt-4" / "trainer_state.safetensors")  # rewritten
+    steps = [r["step"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+
+
+def test_resume_without_an_intact_checkpoint(tmp_path):
+    ckpt, _ = _checkpoint(tmp_path / "run")
+    shutil.copytree(ckpt, tmp_path / "run" / "ckpt-1")
+    garbage(tmp_path / "run" / "ckpt-1" / "adapter_config.json")
+    (ckpt / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError) as e:
+        resume_point(tmp_path / "run", CFG, LORA)
+    msg = str(e.value)
+    assert f"{ckpt}: incomplete checkpoint, missing ['trainer_state.json']" in msg, msg
+    assert "No earlier checkpoint" in msg and "reads completely" in msg, msg
+    (tmp_path / "run" / "latest").write_bytes(b"\xff\x00ckpt")  # a garbled pointer: damage too
+    with pytest.raises(CheckpointError, match="damaged pointer file"):
+        resume_point(tmp_path / "run", CFG, LORA)
