@@ -1,4 +1,4 @@
-"""The benchmark script runs end to end on the tiny shape (a smoke test, not a timed test)."""
+"""The benchmark script runs end to end on the tiny and demo shapes (a smoke test, not a timed test)."""
 
 import json
 
@@ -12,7 +12,7 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
     if not (data / "e2e" / "train.txt").is_file():
         pytest.skip(f"shared E2E data missing: {data} (set LORA_SHARED)")
     out = tmp_path / "bench.json"
-    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
+    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny,demo", "--steps", "2", "--warmup", "1", "--repeats", "1",
                      "--beam-examples", "2", "--threads", "1", "--json", str(out)])  # fmt: skip
     table = capsys.readouterr().out
     assert rc == 0, table
@@ -21,9 +21,10 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
     for label, *_ in bench.TARGETS:
         assert label in table, (label, table)
     result = json.loads(out.read_text())
-    for system in bench.SYSTEMS:
-        (run,) = result["raw"]["tiny"][system]
-        assert run["train_tok_s"] > 0 and run["train_rss_mb"] > 0 and run["beam_s_ex"] > 0, run
-        assert len(run["step_s"]) == 3 and len(run["gen_lengths"]) == 2, run
-        assert run["gen_lengths"] == [64, 64], run  # eos banned before 64 new tokens (--beam-min-new default)
-    assert len(result["summary"]["tiny"]["targets"]) == len(bench.TARGETS)
+    for shape in ("tiny", "demo"):
+        for system in bench.SYSTEMS:
+            (run,) = result["raw"][shape][system]
+            assert run["train_tok_s"] > 0 and run["train_rss_mb"] > 0 and run["beam_s_ex"] > 0, run
+            assert len(run["step_s"]) == 3 and len(run["gen_lengths"]) == 2, run
+            assert run["gen_lengths"] == [64, 64], run  # eos banned before 64 new tokens (--beam-min-new default)
+        assert len(result["summary"][shape]["targets"]) == len(bench.TARGETS)

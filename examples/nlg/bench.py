@@ -21,7 +21,8 @@ Systems (same random weights, same examples in the same order, same thread count
 All train with the E2E recipe's label smoothing 0.1 and weight decay 0.01, no dropout.
 Tokens/s counts the same real tokens for every system (``collate``'s ``n_tokens``), so its
 ratios are those of examples/s. ``tiny`` is the ``tiny`` preset with GPT-2's vocabulary and
-1024 positions (E2E ids need them). Threads: ``torch.set_num_threads`` and
+1024 positions (E2E ids need them). ``demo`` is the embedded demo's model (``demo`` preset: 3
+layers, width 128, its 512-token BPE) on the demo's toy data set, made as the demo makes it. Threads: ``torch.set_num_threads`` and
 ``OMP_NUM_THREADS`` (jittor's kernels and oneDNN use OpenMP) are ``--threads`` everywhere.
 
 Beam length: with random weights and the paper's settings, the tiny shape's outputs end after
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_systems import BATCH, beam_contexts, gen_length, make_system, shape_config, train_examples
+from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 # (label, metric, numerator, denominator, "ge"/"le", bound, shapes it applies to; None = all)
@@ -82,8 +83,8 @@ def _max_rss_mb(reset: bool = False) -> float:
 
 def run_train(spec: dict) -> dict:
     data_dir, steps, warmup = Path(spec["data_dir"]), spec["steps"], spec["warmup"]
-    pairs = train_examples(data_dir, BATCH * (warmup + steps))
-    system = make_system(spec["system"], shape_config(spec["shape"]), trainable=True)
+    pairs = train_examples(data_dir, BATCH * (warmup + steps), spec["shape"])
+    system = make_system(spec["system"], shape_config(spec["shape"]), True, stop_ids(spec["shape"]))
     batches = [pairs[i : i + BATCH] for i in range(0, len(pairs), BATCH)]
     prepared = [system.prepare(b) for b in batches]
     gc.collect()
@@ -104,8 +105,8 @@ def run_train(spec: dict) -> dict:
 
 
 def run_beam(spec: dict) -> dict:
-    contexts = beam_contexts(Path(spec["data_dir"]), spec["beam_examples"])
-    system = make_system(spec["system"], shape_config(spec["shape"]), trainable=False)
+    contexts = beam_contexts(Path(spec["data_dir"]), spec["beam_examples"], spec["shape"])
+    system = make_system(spec["system"], shape_config(spec["shape"]), False, stop_ids(spec["shape"]))
     bs = spec["beam_batch"]
     t0 = time.perf_counter()
     system.beam(contexts[:bs], bs, 4, 4)  # warm-up (kernels, caches), excluded
@@ -114,7 +115,7 @@ def run_beam(spec: dict) -> dict:
     t0 = time.perf_counter()
     outs = system.beam(contexts, bs, 64, spec["beam_min_new"])
     elapsed = time.perf_counter() - t0
-    lengths = [gen_length(o) for o in outs]
+    lengths = [gen_length(o, stop_ids(spec["shape"])) for o in outs]
     log(f"{spec['shape']} {spec['system']} beam {len(contexts)} examples: {elapsed:.2f} s")
     return {"beam_s_ex": elapsed / len(contexts), "beam_batch": bs, "beam_warmup_s": warm,
             "gen_len": float(np.mean(lengths)), "gen_lengths": lengths,
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
-    p.add_argument("--shapes", default="gpt2,tiny", help="comma-separated: gpt2, tiny (default both)")
+    p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (default all)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = p.parse_args(argv)
     try:
-        args.shapes = _names(args.shapes, ("gpt2", "tiny"), "--shapes")
+        args.shapes = _names(args.shapes, SHAPES, "--shapes")
         args.systems = _names(args.systems, SYSTEMS, "--systems")
         args.beam_batch = _beam_batch(args.beam_batch, args.systems)
     except (argparse.ArgumentTypeError, ValueError) as e:

@@ -1,6 +1,8 @@
 """The systems and inputs of ``examples.nlg.bench``: our backends and HF ``transformers`` +
 ``peft`` behind the same three calls (``prepare``, ``train_step``, ``beam``), the model
-shapes, and the E2E examples every system gets (see the bench module's docstring)."""
+shapes, and the examples every system gets (see the bench module's docstring): E2E with
+GPT-2's vocabulary for ``gpt2`` and ``tiny``; for ``demo`` (the embedded demo's model) the
+demo's own toy data set and 512-token BPE, made here as the demo makes them."""
 
 from __future__ import annotations
 
@@ -13,43 +15,77 @@ BATCH, LR, LABEL_SMOOTH, WEIGHT_DECAY, SEED = 8, 2e-4, 0.1, 0.01, 0
 BEAM = dict(beam=10, length_penalty=0.9, no_repeat_ngram_size=4)  # + max 64 new tokens (paper)
 
 
+SHAPES = ("gpt2", "tiny", "demo")
+
+
 def shape_config(name: str):
     from lora_core import gpt2_config
 
+    if name == "demo":
+        return gpt2_config("demo", vocab_size=_toy()[0].vocab_size)
     return gpt2_config(name, vocab_size=50257, n_positions=1024) if name == "tiny" else gpt2_config(name)
+
+
+def stop_ids(shape: str) -> tuple[int, ...]:
+    """Ids that end a generation: GPT-2's, or the toy tokenizer's for ``demo``."""
+    return _toy()[0].stop_ids if shape == "demo" else STOP_IDS
+
+
+_TOY: list = []
+
+
+def _toy():
+    """(tokenizer, records by split) of the demo's toy data set, made once per process."""
+    if not _TOY:
+        import tempfile
+
+        from lora_core.convert import convert_e2e
+        from lora_core.tokenizer import load_tokenizer
+        from lora_core.toy import make_toy_dataset
+
+        with tempfile.TemporaryDirectory() as d:
+            paths = make_toy_dataset(Path(d))
+            _TOY.extend([load_tokenizer(Path(d)), {s: convert_e2e(paths[s]) for s in ("train", "test")}])
+    return _TOY
 
 
 # ----------------------------------------------------------------------------- data
 
 
-def train_examples(data_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
-    """The first ``n`` E2E training examples in a seeded shuffled order (paper layout ids)."""
+def train_examples(data_dir: Path, n: int, shape: str = "gpt2") -> list[tuple[list[int], list[int]]]:
+    """The first ``n`` training examples (E2E, or the toy set for ``demo``) in a seeded
+    shuffled order (paper layout ids)."""
     from lora_core.convert import convert_e2e
     from lora_core.tokenizer import encode_example, load_tokenizer
 
-    records = convert_e2e(data_dir / "e2e" / "train.txt")
+    if shape == "demo":
+        tok, records = _toy()[0], _toy()[1]["train"]
+    else:
+        tok, records = load_tokenizer(data_dir / "gpt2-vocab"), convert_e2e(data_dir / "e2e" / "train.txt")
     order = np.random.default_rng(SEED).permutation(len(records))
-    tok = load_tokenizer(data_dir / "gpt2-vocab")
     picked = [records[i] for i in np.resize(order, n)]  # wraps around if n > len(records)
     return [encode_example(tok, r["context"], r["completion"]) for r in picked]
 
 
-def beam_contexts(data_dir: Path, k: int) -> list[list[int]]:
-    """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique E2E test MRs."""
+def beam_contexts(data_dir: Path, k: int, shape: str = "gpt2") -> list[list[int]]:
+    """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique test MRs (E2E, or the toy set)."""
     from lora_core.convert import convert_e2e
     from lora_core.data import group_references
     from lora_core.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(data_dir / "gpt2-vocab")
-    groups = group_references(convert_e2e(data_dir / "e2e" / "test.txt"))[:k]
+    if shape == "demo":
+        tok, records = _toy()[0], _toy()[1]["test"]
+    else:
+        tok, records = load_tokenizer(data_dir / "gpt2-vocab"), convert_e2e(data_dir / "e2e" / "test.txt")
+    groups = group_references(records)[:k]
     return [tok.encode(g.context) + [tok.eos_id] for g in groups]
 
 
-def gen_length(tokens) -> int:
+def gen_length(tokens, stops: tuple[int, ...] = STOP_IDS) -> int:
     """Generated tokens up to and including the first stop id."""
     tokens = list(tokens)
     for i, t in enumerate(tokens):
-        if t in STOP_IDS:
+        if t in stops:
             return i + 1
     return len(tokens)
 
@@ -60,11 +96,11 @@ def gen_length(tokens) -> int:
 class Ours:
     """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
 
-    def __init__(self, name: str, cfg, trainable: bool):
+    def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
         import lora_core
         from lora_core.optim import AdamWConfig
 
-        self.be = lora_core.get_backend(name)
+        self.be, self.stops = lora_core.get_backend(name), stops
         base = lora_core.init_gpt2_weights(cfg, SEED)
         self.model = self.be.build_model(cfg, lora_core.LoRAConfig(r=4, alpha=32), base, trainable=trainable)
         del base
@@ -83,14 +119,14 @@ class Ours:
         from lora_core.beam import BeamConfig
 
         cfg = BeamConfig(**BEAM, max_new_tokens=max_new_tokens, min_length=min(min_new_tokens, max_new_tokens),
-                         repetition_penalty=1.0, stop_ids=STOP_IDS)  # fmt: skip
+                         repetition_penalty=1.0, stop_ids=self.stops)  # fmt: skip
         return self.be.beam_search(self.model, contexts, cfg, batch_size=batch_size)
 
 
 class HFPeft:
     """``transformers`` GPT-2 + ``peft`` LoRA, used the way their documentation shows."""
 
-    def __init__(self, cfg, trainable: bool):
+    def __init__(self, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
         import warnings
 
         import peft
@@ -102,11 +138,11 @@ class HFPeft:
         from lora_core import init_gpt2_weights
         from lora_core.naming import TRANSPOSED
 
-        self.torch = torch
+        self.torch, self.stops, self.eos = torch, stops, stops[0]
         hf_cfg = transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
             n_head=cfg.n_head, layer_norm_epsilon=cfg.layer_norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)  # fmt: skip
+            attn_pdrop=0.0, bos_token_id=self.eos, eos_token_id=self.eos)  # fmt: skip
         model = transformers.GPT2LMHeadModel(hf_cfg)
         base = init_gpt2_weights(cfg, SEED)  # the same weights as ours; Conv1D stores (in, out)
         state = {"transformer." + k: torch.from_numpy(v.T if k.endswith(TRANSPOSED) else v) for k, v in base.items()}
@@ -126,7 +162,7 @@ class HFPeft:
     def prepare(self, pairs):
         torch = self.torch
         T = max(len(c) + len(t) for c, t in pairs)
-        ids = torch.full((len(pairs), T), 50256, dtype=torch.long)
+        ids = torch.full((len(pairs), T), self.eos, dtype=torch.long)
         mask = torch.zeros((len(pairs), T), dtype=torch.long)
         labels = torch.full((len(pairs), T), -100, dtype=torch.long)
         for b, (c, t) in enumerate(pairs):
@@ -155,17 +191,19 @@ class HFPeft:
         self.model.eval()
         out = []
         for s in range(0, len(contexts), batch_size):
-            ids, mask = left_pad(contexts[s : s + batch_size], pad_id=50256)
+            ids, mask = left_pad(contexts[s : s + batch_size], pad_id=self.eos)
             with torch.no_grad():
                 seq = self.model.generate(
                     input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
                     num_beams=BEAM["beam"], max_new_tokens=max_new_tokens, min_new_tokens=min(min_new_tokens, max_new_tokens),
                     length_penalty=BEAM["length_penalty"],
                     no_repeat_ngram_size=BEAM["no_repeat_ngram_size"], repetition_penalty=1.0,
-                    early_stopping=False, eos_token_id=list(STOP_IDS), pad_token_id=50256)  # fmt: skip
+                    early_stopping=False, eos_token_id=list(self.stops), pad_token_id=self.eos)  # fmt: skip
             out.extend(row[ids.shape[1] :].tolist() for row in seq)
         return out
 
 
-def make_system(name: str, cfg, trainable: bool):
-    return HFPeft(cfg, trainable) if name == "hf-peft" else Ours(name.removeprefix("ours-"), cfg, trainable)
+def make_system(name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
+    if name == "hf-peft":
+        return HFPeft(cfg, trainable, stops)
+    return Ours(name.removeprefix("ours-"), cfg, trainable, stops)
