@@ -66,6 +66,18 @@ def _tokenize_all(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[l
     return [tok(h) for h in hyps], [[tok(r) for r in rs] for rs in refs]
 
 
+def _ter_all(hyp_tok: list[str], ref_tok: list[list[str]]) -> list[float]:
+    """TER of every instance, each distinct (hypothesis, references) once (DART repeats some)."""
+    cache: dict[tuple, float] = {}
+    out = []
+    for h, rs in zip(hyp_tok, ref_tok, strict=True):
+        key = (h, *rs)
+        if key not in cache:
+            cache[key] = ter_multi(h, rs)
+        out.append(cache[key])
+    return out
+
+
 class _FileMeteor:
     """METEOR in file mode (for texts containing ``|||``, the ``-stdio`` field separator)."""
 
@@ -171,7 +183,7 @@ def _score(refs: Sequence[Sequence[str | None]], hyps: Sequence[str], per_instan
             if java is not None:  # the JVM scores while the other metrics are computed
                 met = _start_meteor(java, hyp_tok, ref_tok)
             if "TER" in wanted:
-                per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)]
+                per = _ter_all(hyp_tok, ref_tok)
                 found["TER"] = (sum(per) / len(per), per)
         if "BLEU" in wanted:
             found["BLEU"] = multi_bleu_detok(hyps, bleu_refs)
