@@ -15,7 +15,14 @@ from collections.abc import Iterable, Sequence
 
 from .coco import cider_d, rouge_l
 from .common import check_instances, per_instance_rows, select_metrics
-from .inputs import EvalInputError, count_mismatch, preview, read_e2e_references, read_lines
+from .inputs import (
+    EvalInputError,
+    count_mismatch,
+    preview,
+    read_e2e_references,
+    read_lines,
+    refuse_codecs_breaks,
+)
 from .java import PtbRun, coco_score_line, require_java
 from .meteor import MeteorRun
 from .mteval import mteval_e2e
@@ -116,11 +123,15 @@ def score_e2e(
     Args:
         ref_path: references of one instance on consecutive lines, instances separated
             by one empty line (or one reference per line if there is no empty line).
-        hyp_path: one hypothesis per line.
+        hyp_path: one hypothesis per line (as ``measure_scores.py`` reads them: a final
+            newline or blank line at the end is no reference group or instance, CRLF
+            is LF; a lone CR, VT, FF, FS, GS, RS, NEL, U+2028 or U+2029, which its
+            ``codecs`` reading takes for a line end, is refused).
         per_instance, metrics: as :func:`score_e2e_lists`.
     """
     refs, starts = read_e2e_references(ref_path)
     hyp_lines = read_lines(hyp_path)
+    refuse_codecs_breaks(hyp_path, hyp_lines, "measure_scores.py")
     if len(hyp_lines) != len(refs):
         n = min(len(hyp_lines), len(refs))
         if len(hyp_lines) > len(refs):

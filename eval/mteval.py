@@ -32,7 +32,14 @@ from itertools import chain
 
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-__all__ = ["tokenize_e2e", "tokenize_bytes_mode", "mteval_e2e", "multi_bleu_detok", "MtevalResult"]
+__all__ = [
+    "tokenize_e2e",
+    "tokenize_bytes_mode",
+    "mteval_e2e",
+    "multi_bleu_detok",
+    "multi_bleu_detok_line",
+    "MtevalResult",
+]
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 _TOK13A = Tokenizer13a()
@@ -233,16 +240,8 @@ def _multi_bleu(correct: Sequence[int], total: Sequence[int], hyp_len: int, ref_
     return 100 * bp * math.exp(logs / 4)
 
 
-def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[float, list[float]]:
-    """Corpus BLEU (0-100) of ``multi-bleu-detok.perl`` and its per-sentence values.
-
-    Args:
-        hyps: hypothesis lines as the script reads them (see ``inputs.chopped_raw_lines``).
-        refs: for each instance, the reference lines in file order (empty ones included).
-
-    Returns:
-        ``(bleu, sentence_bleu)``, the sentence values by the same unsmoothed formula.
-    """
+def _multi_bleu_counts(hyps: Sequence[str], refs: Sequence[Sequence[str | None]]) -> tuple:
+    """multi-bleu-detok's corpus counts: (correct, total, hyp_len, ref_len, sentence BLEU)."""
     correct, total = [0] * 5, [0] * 5
     hyp_len = ref_len = 0
     sent = []
@@ -251,6 +250,8 @@ def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tupl
         closest_diff, closest_len = 9999, 9999
         ref_max: dict = {}
         for ref in rs:
+            if ref is None:
+                continue
             rwords = tokenize_bytes_mode(ref)
             diff = abs(len(words) - len(rwords))
             if diff < closest_diff or (diff == closest_diff and len(rwords) < closest_len):
@@ -268,4 +269,34 @@ def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tupl
         hyp_len += len(words)
         ref_len += closest_len
         sent.append(_multi_bleu(s_correct, s_total, len(words), closest_len))
+    return correct, total, hyp_len, ref_len, sent
+
+
+def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[Sequence[str | None]]) -> tuple[float, list[float]]:
+    """Corpus BLEU (0-100) of ``multi-bleu-detok.perl`` and its per-sentence values.
+
+    Args:
+        hyps: hypothesis lines as the script reads them.
+        refs: for each instance, the reference lines in file order (empty ones included;
+            None where a reference file has no line for the instance: not a reference).
+
+    Returns:
+        ``(bleu, sentence_bleu)``, the sentence values by the same unsmoothed formula.
+    """
+    correct, total, hyp_len, ref_len, sent = _multi_bleu_counts(hyps, refs)
     return _multi_bleu(correct, total, hyp_len, ref_len), sent
+
+
+def multi_bleu_detok_line(hyps: Sequence[str], refs: Sequence[Sequence[str | None]]) -> str:
+    """The line ``multi-bleu-detok.perl`` prints, e.g. ``BLEU = 48.56, 83.2/60.0/43.7/32.1
+    (BP=0.944, ratio=0.945, hyp_len=110554, ref_len=116952)`` (arguments as
+    :func:`multi_bleu_detok`)."""
+    correct, total, hyp_len, ref_len, _ = _multi_bleu_counts(hyps, refs)
+    if ref_len == 0:
+        return "BLEU = 0, 0/0/0/0 (BP=0, ratio=0, hyp_len=0, ref_len=0)"
+    prec = [100 * correct[n] / total[n] if total[n] else 0.0 for n in range(1, 5)]
+    bp = math.exp(1 - ref_len / hyp_len) if hyp_len < ref_len else 1.0
+    return (
+        f"BLEU = {_multi_bleu(correct, total, hyp_len, ref_len):.2f}, {'/'.join(f'{p:.1f}' for p in prec)} "
+        f"(BP={bp:.3f}, ratio={hyp_len / ref_len:.3f}, hyp_len={hyp_len}, ref_len={ref_len})"
+    )

@@ -11,8 +11,17 @@ As the LoRA paper ran it (microsoft/LoRA ``examples/NLG/eval``):
 
 Files: one hypothesis per line; reference file k holds reference k of every
 instance (an empty line where an instance has fewer references). Unlike
-``eval.py``, a final newline does not add an empty instance, and files of
-different lengths are an error rather than a silent shift.
+``eval.py``, a final newline does not add an empty instance. Reference files of
+different lengths are an error rather than a silent shift, except where ``eval.py``
+aligns them (a file one line short that alone ends with a newline: an empty last
+reference, as in DART's reference files; :func:`eval.inputs.align_reference_files`).
+
+``eval.py`` hands chrF.py its texts through temporary files that chrF.py reads with
+Python's ``codecs`` line splitting, which also breaks lines at a lone CR (the CR of a
+CRLF reference joined to the next one with ``*#``), VT, FF, FS, GS, RS, NEL, U+2028 and
+U+2029, and so shifts every later instance. Texts that would be split there are
+refused when chrF++ is requested (:func:`eval.inputs.codecs_line_break`); with LF
+files and ordinary text nothing changes.
 """
 
 from __future__ import annotations
@@ -24,7 +33,14 @@ from pathlib import Path
 
 from .chrf import chrf_plus_plus
 from .common import check_instances, per_instance_rows, select_metrics
-from .inputs import EvalInputError, count_mismatch, preview, read_lines, transpose_references
+from .inputs import (
+    EvalInputError,
+    align_reference_files,
+    codecs_line_break,
+    count_mismatch,
+    preview,
+    read_line_file,
+)
 from .java import require_java
 from .meteor import MeteorRun, meteor_files
 from .mteval import multi_bleu_detok
@@ -50,6 +66,18 @@ def _tokenize_all(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> tuple[l
     return [tok(h) for h in hyps], [[tok(r) for r in rs] for rs in refs]
 
 
+def _ter_all(hyp_tok: list[str], ref_tok: list[list[str]]) -> list[float]:
+    """TER of every instance, each distinct (hypothesis, references) once (DART repeats some)."""
+    cache: dict[tuple, float] = {}
+    out = []
+    for h, rs in zip(hyp_tok, ref_tok, strict=True):
+        key = (h, *rs)
+        if key not in cache:
+            cache[key] = ter_multi(h, rs)
+        out.append(cache[key])
+    return out
+
+
 class _FileMeteor:
     """METEOR in file mode (for texts containing ``|||``, the ``-stdio`` field separator)."""
 
@@ -72,8 +100,37 @@ def _start_meteor(java: str, hyp_tok: list[str], ref_tok: list[list[str]]):
     )
 
 
+def _chrf_split_error(hyps: Sequence[str], refs: Sequence[Sequence[str | None]], where) -> EvalInputError | None:
+    """The error for a text that chrF.py's ``codecs`` reading would split (None: none).
+
+    As ``eval.py`` writes them: the hypotheses of instances with a non-blank reference,
+    one per line; their non-blank references joined by ``*#``, one instance per line. A
+    CR right before a newline (CRLF) is no break; one before ``*#`` is.
+    """
+    for i, (hyp, rs) in enumerate(zip(hyps, refs, strict=True)):
+        kept = [(k, r) for k, r in enumerate(rs) if r is not None and r.strip() != ""]
+        if not kept:
+            continue
+        texts = [(None, hyp[:-1] if hyp.endswith("\r") else hyp)]
+        texts += [(k, r if j < len(kept) - 1 else r[:-1] if r.endswith("\r") else r) for j, (k, r) in enumerate(kept)]
+        for k, text in texts:
+            found = codecs_line_break(text)
+            if found is not None:
+                return EvalInputError(
+                    f"{where(i, k)} contains {found}: GenerationEval's chrF++ reads eval.py's files of "
+                    f"hypotheses and '*#'-joined references with Python's codecs line splitting, which "
+                    f"breaks the line there and shifts every later instance; convert CRLF files to LF line "
+                    f"ends and remove other such characters, or leave chrF++ out (--metrics BLEU,METEOR,TER)"
+                )
+    return None
+
+
+def _list_where(i: int, k: int | None) -> str:
+    return f"hypothesis {i + 1}" if k is None else f"reference {k + 1} of instance {i + 1}"
+
+
 def score_webnlg_lists(
-    refs: Sequence[Sequence[str]],
+    refs: Sequence[Sequence[str | None]],
     hyps: Sequence[str],
     *,
     per_instance: bool = False,
@@ -83,7 +140,11 @@ def score_webnlg_lists(
 
     Args:
         refs: for each instance, its N references in reference-file order; use ``""``
-            for a missing one (every instance should have the same N, as in the files).
+            for an empty line of a reference file (every instance should have the same
+            N, as in the files) and None where a file has no line for the instance (its
+            last line, when the file is one line short and ends with a newline: empty
+            for METEOR, TER and chrF++, absent for multi-bleu-detok; see
+            :func:`eval.inputs.align_reference_files`).
         hyps: one hypothesis per instance.
         per_instance: also return ``"per_instance"``: per instance its ``index``,
             sentence BLEU (multi-bleu formula, 0-100), METEOR segment score, TER and
@@ -94,13 +155,25 @@ def score_webnlg_lists(
         ``{"BLEU" (0-100), "METEOR", "TER", "chrF++" (0-1)}``, plus ``"per_instance"``.
 
     Raises:
-        EvalInputError: counts that disagree or no instance.
+        EvalInputError: counts that disagree, no instance, or (with chrF++) a text that
+            GenerationEval's chrF++ would split into two lines.
         JavaUnavailableError: METEOR requested but no Java runtime.
     """
+    return _score(refs, hyps, per_instance, metrics, _list_where)
+
+
+def _score(refs: Sequence[Sequence[str | None]], hyps: Sequence[str], per_instance: bool, metrics, where) -> dict:
+    """:func:`score_webnlg_lists`; ``where(i, k)`` names hypothesis (k None) or reference k
+    of instance i in error messages."""
     wanted = select_metrics(metrics, WEBNLG_METRICS)
     check_instances(hyps, refs, "WebNLG/DART")
+    if "chrF++" in wanted:
+        error = _chrf_split_error(hyps, refs, where)
+        if error is not None:
+            raise error
     hyps = [h.rstrip("\r") for h in hyps]
-    refs = [[r.rstrip("\r") for r in rs] for rs in refs]
+    bleu_refs = [[r if r is None else r.rstrip("\r") for r in rs] for rs in refs]
+    refs = [["" if r is None else r for r in rs] for rs in bleu_refs]
     java = require_java(["METEOR"], ["BLEU", "TER", "chrF++"]) if "METEOR" in wanted else None
     found: dict = {}
     met = None
@@ -110,10 +183,10 @@ def score_webnlg_lists(
             if java is not None:  # the JVM scores while the other metrics are computed
                 met = _start_meteor(java, hyp_tok, ref_tok)
             if "TER" in wanted:
-                per = [ter_multi(h, rs) for h, rs in zip(hyp_tok, ref_tok, strict=True)]
+                per = _ter_all(hyp_tok, ref_tok)
                 found["TER"] = (sum(per) / len(per), per)
         if "BLEU" in wanted:
-            found["BLEU"] = multi_bleu_detok(hyps, refs)
+            found["BLEU"] = multi_bleu_detok(hyps, bleu_refs)
         if "chrF++" in wanted:
             found["chrF++"] = chrf_plus_plus(hyps, refs)
         if met is not None:
@@ -141,19 +214,19 @@ def reference_paths(prefix: str | os.PathLike, num_refs: int) -> list[Path]:
     return [Path(f"{prefix}{i}") for i in range(num_refs)]
 
 
-def _read_webnlg(ref_paths: Sequence[str | os.PathLike], hyp_path) -> tuple[list[list[str]], list[str]]:
-    if not ref_paths:
-        raise EvalInputError("no reference file given")
-    columns = [read_lines(p) for p in ref_paths]
-    refs = transpose_references(ref_paths, columns)
-    hyps = read_lines(hyp_path)
+def _read_webnlg(ref_paths: Sequence[str | os.PathLike], hyp_path) -> tuple[list[list[str | None]], list[str]]:
+    """References per instance (:func:`align_reference_files`) and hypotheses of the files."""
+    files = [read_line_file(p) for p in ref_paths]
+    refs = align_reference_files(files)
+    hyps = read_line_file(hyp_path).lines
+    longest = next(f for f in files if len(f.lines) == len(refs))
     if len(hyps) != len(refs):
         n = min(len(hyps), len(refs))
         if len(hyps) > len(refs):
             first = f"{hyp_path} line {n + 1}: {preview(hyps[n])}"
         else:
-            first = f"{ref_paths[0]} line {n + 1}: {preview(columns[0][n])}"
-        raise count_mismatch(hyp_path, len(hyps), ref_paths[0], len(refs), "lines", first)
+            first = f"{longest.path} line {n + 1}: {preview(longest.lines[n])}"
+        raise count_mismatch(hyp_path, len(hyps), longest.path, len(refs), "lines", first)
     return refs, hyps
 
 
@@ -172,7 +245,11 @@ def score_webnlg(
         per_instance, metrics: as :func:`score_webnlg_lists`.
     """
     refs, hyps = _read_webnlg(ref_paths, hyp_path)
-    return score_webnlg_lists(refs, hyps, per_instance=per_instance, metrics=metrics)
+
+    def where(i: int, k: int | None) -> str:
+        return f"{hyp_path if k is None else ref_paths[k]} line {i + 1}"
+
+    return _score(refs, hyps, per_instance, metrics, where)
 
 
 score_dart = score_webnlg

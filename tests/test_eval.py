@@ -19,8 +19,8 @@ import pytest
 
 import eval as ev
 from eval import java as ev_java
-from eval.inputs import read_lines
-from eval.mteval import tokenize_bytes_mode, tokenize_e2e
+from eval.inputs import align_reference_files, read_line_file, read_lines
+from eval.mteval import multi_bleu_detok_line, tokenize_bytes_mode, tokenize_e2e
 from eval.ter import ter
 from eval.wordtok import word_tokenize
 
@@ -71,6 +71,29 @@ def test_webnlg_example_matches_official(shared_dir):
     _assert_close(ours, gold["gold"], {**TOL, "BLEU": 0.05})
     _assert_close(ours, gold["gold"], dict.fromkeys(TOL, 1e-9))
     assert ev.score_dart is ev.score_webnlg
+    refs = align_reference_files([read_line_file(p) for p in paths])
+    line = multi_bleu_detok_line(read_line_file(case / "hyp.txt").lines, refs)
+    assert line.split(", ", 1)[1] == gold["extra"]["multi_bleu_detok_line"].split(", ", 1)[1]
+
+
+@needs_java
+def test_dart_example_matches_official_printed(shared_dir):
+    """DART's own files: reference2 alone ends with a newline and has one line fewer;
+    eval.py reads 5,097 instances, the last with an empty third reference."""
+    case = shared_dir / "evalcases" / "dart_example"
+    paths = [case / f"reference{k}" for k in range(3)]
+    files = [read_line_file(p) for p in paths]
+    assert [len(f.lines) for f in files] == [5097, 5097, 5096] and {f.entries for f in files} == {5097}
+    refs = align_reference_files(files)
+    assert len(refs) == 5097 and refs[-1][2] is None and all(refs[-1][:2])
+    ours = ev.score_dart(paths, case / "hyp.txt", per_instance=True)
+    assert len(ours.pop("per_instance")) == 5097
+    printed = {"BLEU": 48.56, "METEOR": 0.39, "chrF++": 0.65, "TER": 0.45}  # dart_example/README.md
+    assert {k: round(ours[k], 2) for k in printed} == printed, ours
+    hyps = read_line_file(case / "hyp.txt").lines
+    assert multi_bleu_detok_line(hyps, refs) == (  # as printed in dart_example/README.md
+        "BLEU = 48.56, 83.2/60.0/43.7/32.1 (BP=0.944, ratio=0.945, hyp_len=110554, ref_len=116952)"
+    )
 
 
 # ---------------------------------------------------------------- bad input
@@ -169,10 +192,14 @@ def test_crlf_files_score_like_lf(tmp_path, shared_dir):
         for k in range(2)
     ]
     hyp = _write(tmp_path / "h", (web / "hyp.txt").read_bytes().replace(b"\n", b"\r\n"))
-    small = "BLEU,chrF++"
-    assert ev.score_webnlg(paths, hyp, metrics=small) == ev.score_webnlg(
-        [web / "reference0", web / "reference1"], web / "hyp.txt", metrics=small
+    lf_paths = [web / "reference0", web / "reference1"]
+    assert ev.score_webnlg(paths[:1], hyp, metrics="BLEU,chrF++") == ev.score_webnlg(
+        lf_paths[:1], web / "hyp.txt", metrics="BLEU,chrF++"
     )
+    assert ev.score_webnlg(paths, hyp, metrics="BLEU") == ev.score_webnlg(lf_paths, web / "hyp.txt", metrics="BLEU")
+    # two CRLF reference files: GenerationEval's chrF++ would split the '*#'-joined line at the CR
+    with pytest.raises(ev.EvalInputError, match=r"reference0 line 1 contains U\+000D CR"):
+        ev.score_webnlg(paths, hyp, metrics="chrF++")
 
 
 def test_mteval_tokenisation_quirks():
