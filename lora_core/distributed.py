@@ -47,6 +47,8 @@ __all__ = [
     "run_hash",
     "pack_outputs",
     "unpack_outputs",
+    "batch_shard",
+    "gather_outputs",
 ]
 
 
@@ -318,3 +320,19 @@ def pack_outputs(outputs: list[list[int]], start: int, total: int, width: int) -
 
 def unpack_outputs(buf: np.ndarray) -> list[list[int]]:
     return [[int(t) for t in row[1 : 1 + int(row[0])]] for row in buf]
+
+
+def batch_shard(n: int, batch_size: int, world: World) -> tuple[int, int]:
+    """``[start, stop)`` of the items this rank decodes: whole batches of ``batch_size`` (the
+    batches of the one-process run, so that each is computed exactly as there), contiguous."""
+    n_batches = -(-n // batch_size)
+    a, b = shard_range(n_batches, world.size, world.rank)
+    return min(a * batch_size, n), min(b * batch_size, n)
+
+
+def gather_outputs(comm: Comm, outputs: list[list[int]], start: int, total: int) -> list[list[int]]:
+    """Every rank's token lists (rank ``r``'s from its ``start``), merged in input order."""
+    if not comm.world.parallel:
+        return outputs
+    width = int(comm.all_gather([max((len(o) for o in outputs), default=0)]).max())
+    return unpack_outputs(comm.all_reduce_sum(pack_outputs(outputs, start, total, width)))
