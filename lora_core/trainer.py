@@ -180,8 +180,8 @@ class Trainer:
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()
         self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
+        self.dp = backend.data_parallel(model) if self.comm.world.parallel else None  # may move it to a GPU
         self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
-        self.dp = backend.data_parallel(model) if self.comm.world.parallel else None
         self.state = TrainerState()
 
     # ---------------------------------------------------------------- run set-up
