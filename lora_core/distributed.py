@@ -138,9 +138,7 @@ def shard_step(idx: np.ndarray, pairs, grad_accum: int, world: World) -> StepSha
     for chunk in micro:
         a, b = shard_range(len(chunk), world.size, world.rank)
         if a == b:
-            raise ValueError(
-                f"a micro-batch of {len(chunk)} examples cannot give each of {world.size} processes one"
-            )
+            raise ValueError(f"a micro-batch of {len(chunk)} examples cannot give each of {world.size} processes one")
         positions = [len(pairs[i][1]) for i in chunk]  # loss positions: the completion tokens
         tokens = [_input_tokens(pairs[i]) for i in chunk]
         chunks.append(chunk[a:b])
@@ -164,7 +162,11 @@ def check_shardable(n: int, batch_size: int, grad_accum: int, last_batch: str, w
                 f"{world_size} processes cannot share a batch of {size} examples in {min(grad_accum, size)} "
                 f"micro-batch(es) (the smallest has {smallest}): every micro-batch needs at least one example "
                 f"per process; use fewer processes, a larger batch_size or a smaller grad_accum"
-                + (f" (the last batch of an epoch has {rest}: last_batch=fill or drop avoids it)" if size == rest else "")
+                + (
+                    f" (the last batch of an epoch has {rest}: last_batch=fill or drop avoids it)"
+                    if size == rest
+                    else ""
+                )
             )
 
 
@@ -186,7 +188,9 @@ class ShardedDropout(NumpyDropout):
     def mask(self, shape: tuple[int, ...], p: float) -> np.ndarray:
         micro = self.count // self.calls
         if micro >= len(self.rows):
-            raise RuntimeError(f"ShardedDropout: mask {self.count} requested past the plan of {len(self.rows)} micro-batches")
+            raise RuntimeError(
+                f"ShardedDropout: mask {self.count} requested past the plan of {len(self.rows)} micro-batches"
+            )
         total, offset, local = self.rows[micro]
         if shape[0] != local:
             raise RuntimeError(f"ShardedDropout: mask for {shape[0]} rows, the plan says {local}")

@@ -171,8 +171,16 @@ class Trainer:
         comm: the job of several processes (``lora_core.distributed.start_job``); default one.
     """
 
-    def __init__(self, backend, model, cfg: TrainConfig, out_dir, progress: bool = True, base_note: str | None = None,
-                 comm: Comm | None = None):
+    def __init__(
+        self,
+        backend,
+        model,
+        cfg: TrainConfig,
+        out_dir,
+        progress: bool = True,
+        base_note: str | None = None,
+        comm: Comm | None = None,
+    ):
         if getattr(model, "lora_config", None) is None:
             raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
         if cfg.pad_to is not None and cfg.pad_to > model.config.n_positions:
@@ -207,8 +215,10 @@ class Trainer:
             diff = config_diff(json.loads(old.read_text(encoding="utf-8")), run)
             if diff:
                 if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
-                    diff.append("(batch_size is the global batch of all processes: a resume on another number "
-                                "of processes must keep batch_size and grad_accum)")
+                    diff.append(
+                        "(batch_size is the global batch of all processes: a resume on another number "
+                        "of processes must keep batch_size and grad_accum)"
+                    )
                 raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
         write_json_atomic(old, run)
         ckpt = find_checkpoint(out) if resume else None
@@ -313,7 +323,7 @@ class Trainer:
             be.set_dropout_source(model, None)
 
     def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
-        cfg, be, model, s = self.cfg, self.backend, self.model, self.state
+        cfg, be, s = self.cfg, self.backend, self.state
         bar = _progress(total, s.step, be.NAME, self.progress)
         window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
         start_step, result = s.step, {}
@@ -323,7 +333,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 idx = batches[b]
                 lr = lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule)
-                be.manual_seed(dropout_seed(cfg.seed, s.step))
+                world = self.comm.world  # framework masks: one stream per (step, rank); exact parity needs numpy masks
+                be.manual_seed(dropout_seed(cfg.seed, s.step) * world.size + world.rank)
                 if masks is not None:
                     masks.reseed(s.step)
                 out, tokens = self._update(pairs, idx, lr, masks)
@@ -370,8 +381,12 @@ class Trainer:
         shard = shard_step(idx, pairs, cfg.grad_accum, self.comm.world)
         if masks is not None:
             masks.plan(shard.dropout_rows, sum(1 for m in lora_layers(model) if getattr(m, "p", 0) > 0))
-        micro = [collate([pairs[i] for i in c], pad_to=cfg.pad_to, max_len=model.config.n_positions) for c in shard.chunks]
-        out = be.parallel_train_step(self.dp, self.optimizer, micro, shard.weights, lr, cfg.label_smooth, cfg.max_grad_norm)
+        micro = [
+            collate([pairs[i] for i in c], pad_to=cfg.pad_to, max_len=model.config.n_positions) for c in shard.chunks
+        ]
+        out = be.parallel_train_step(
+            self.dp, self.optimizer, micro, shard.weights, lr, cfg.label_smooth, cfg.max_grad_norm
+        )
         out["loss"] = float(self.comm.all_reduce_sum([out["loss"]])[0])
         return out, shard.tokens
 

@@ -33,8 +33,17 @@ from lora_core.trainer import LATEST_FILE, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL = 20, 13
-SETTINGS = ["batch_size=10", "grad_accum=2", "max_grad_norm=0.05", "lr=1e-2", "warmup=2", "save_every=10",
-            "eval_every=10", "log_every=1", "lora_dropout=0.1"]
+SETTINGS = [
+    "batch_size=10",
+    "grad_accum=2",
+    "max_grad_norm=0.05",
+    "lr=1e-2",
+    "warmup=2",
+    "save_every=10",
+    "eval_every=10",
+    "log_every=1",
+    "lora_dropout=0.1",
+]
 TIMEOUT = 240  # seconds for one launcher run; a SIGKILLed rank must end its job well within it
 
 
@@ -53,9 +62,28 @@ def toy(tmp_path_factory):
 
 
 def _train_args(toy, out_dir, settings=SETTINGS, save_base=False):
-    return ["-m", "examples.nlg.train", "--recipe", "toy", "--train", str(toy["train"]), "--valid", str(toy["valid"]),
-            "--random-init", "tiny", "--vocab-size", str(toy["vocab_size"]), *(["--save-base"] if save_base else []),
-            "--max-steps", str(STEPS), "--no-progress", "--out-dir", str(out_dir), "--set", *settings]
+    return [
+        "-m",
+        "examples.nlg.train",
+        "--recipe",
+        "toy",
+        "--train",
+        str(toy["train"]),
+        "--valid",
+        str(toy["valid"]),
+        "--random-init",
+        "tiny",
+        "--vocab-size",
+        str(toy["vocab_size"]),
+        *(["--save-base"] if save_base else []),
+        "--max-steps",
+        str(STEPS),
+        "--no-progress",
+        "--out-dir",
+        str(out_dir),
+        "--set",
+        *settings,
+    ]
 
 
 def _launch(backend: str, nproc: int, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -65,8 +93,18 @@ def _launch(backend: str, nproc: int, args: list[str], env: dict | None = None) 
     if nproc == 1:
         cmd = [*py, *args]
     elif backend == "torch":
-        cmd = [*py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args[0:2],
-               "--backend", "torch", *args[2:]]
+        cmd = [
+            *py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            *args[0:2],
+            "--backend",
+            "torch",
+            *args[2:],
+        ]
         args = None
     else:
         mpirun = shutil.which("mpirun")
@@ -105,8 +143,14 @@ def runs(backend, toy, tmp_path_factory):
     t0 = time.perf_counter()
     killed = _launch(name, 2, _train_args(toy, d / "cut") + ["--stop-after", str(KILL)])
     kill_s = time.perf_counter() - t0
-    state = {"rc": killed.returncode, "stderr": killed.stderr, "latest": (d / "cut" / LATEST_FILE).read_text().strip(),
-             "ckpts": sorted(p.name for p in (d / "cut").glob("ckpt-*")), "seconds": kill_s, "two_s": two_s}
+    state = {
+        "rc": killed.returncode,
+        "stderr": killed.stderr,
+        "latest": (d / "cut" / LATEST_FILE).read_text().strip(),
+        "ckpts": sorted(p.name for p in (d / "cut").glob("ckpt-*")),
+        "seconds": kill_s,
+        "two_s": two_s,
+    }
     shutil.copytree(d / "cut", d / "cut-copy")
     _ok(_launch(name, 2, _train_args(toy, d / "cut") + ["--resume"]))
     return {"dir": d, "one": d / "one", "two": d / "two", "cut": d / "cut", "copy": d / "cut-copy", "killed": state}
@@ -142,9 +186,25 @@ def test_killed_rank_stops_the_job_and_resume_is_exact(runs):
 
 
 def test_sharded_beam_writes_the_one_process_file(runs, toy, backend):
-    args = ["-m", "examples.nlg.beam", "--base", str(runs["one"] / "base"), "--adapter", str(runs["one"] / "ckpt-20"),
-            "--test", str(toy["test"]), "--vocab", str(toy["tokenizer"]), "--recipe", "toy", "--batch-size", "3",
-            "--set", "beam=2", "max_new_tokens=6"]
+    args = [
+        "-m",
+        "examples.nlg.beam",
+        "--base",
+        str(runs["one"] / "base"),
+        "--adapter",
+        str(runs["one"] / "ckpt-20"),
+        "--test",
+        str(toy["test"]),
+        "--vocab",
+        str(toy["tokenizer"]),
+        "--recipe",
+        "toy",
+        "--batch-size",
+        "3",
+        "--set",
+        "beam=2",
+        "max_new_tokens=6",
+    ]
     d = runs["dir"]
     _ok(_launch(backend.NAME, 1, [*args, "--out", str(d / "beam1.jsonl")]))
     _ok(_launch(backend.NAME, 2, [*args, "--out", str(d / "beam2.jsonl")]))
@@ -183,14 +243,32 @@ def test_bad_jobs_fail_on_every_rank(runs, toy, backend, tmp_path):
     # ranks started with different settings: the configuration hash differs
     args = _train_args(toy, tmp_path / "b")
     script = 'exec "$@" lr=$(( RANK + 1 ))e-3'
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
-           "sh", "-c", script, "sh", sys.executable, *args[:2], "--backend", "torch", *args[2:]]
-    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=TIMEOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        sys.executable,
+        *args[:2],
+        "--backend",
+        "torch",
+        *args[2:],
+    ]
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert r.returncode != 0
     for rank in (0, 1):
-        assert f"error: [rank {rank}/2] the run configuration or code differs between ranks: rank(s) [1]" in r.stderr, \
+        assert f"error: [rank {rank}/2] the run configuration or code differs between ranks: rank(s) [1]" in r.stderr, (
             r.stderr[-3000:]
+        )
     assert not (tmp_path / "b" / "log.jsonl").exists()
     # rank 0 of 2 alone: nobody to reach
     with socket.socket() as s:

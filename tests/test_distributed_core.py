@@ -29,8 +29,9 @@ from lora_core.dropout import NumpyDropout
 
 def _pairs(n=11, seed=0):
     rng = np.random.default_rng(seed)
-    return [(list(rng.integers(1, 50, rng.integers(1, 6))), list(rng.integers(1, 50, rng.integers(1, 5))))
-            for _ in range(n)]
+    return [
+        (list(rng.integers(1, 50, rng.integers(1, 6))), list(rng.integers(1, 50, rng.integers(1, 5)))) for _ in range(n)
+    ]
 
 
 def test_discover_world():
@@ -144,7 +145,7 @@ class _FakeJob:
 def test_comm_agreement_and_errors():
     job = _FakeJob(3)
     assert [r.tolist() for r in job.run(lambda c: c.all_gather([c.world.rank, 7]))] == [[[0, 7], [1, 7], [2, 7]]] * 3
-    assert job.run(lambda c: c.broadcast_text("from rank %d" % c.world.rank)) == ["from rank 0"] * 3
+    assert job.run(lambda c: c.broadcast_text(f"from rank {c.world.rank}")) == ["from rank 0"] * 3
     assert job.run(lambda c: c.on_main(lambda: 5)) == [5, None, None]
 
     def fail():

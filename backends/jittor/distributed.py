@@ -22,7 +22,9 @@ def init_process_group(world: World, timeout_s: float = 300.0) -> None:
             "mpirun -np N python -m examples.nlg.train --backend jittor ..."
         )
     if jt.compile_extern.mpi is None:
-        raise DistributedError("jittor found no MPI (mpicc): install Open MPI (apt-get install openmpi-bin libopenmpi-dev)")
+        raise DistributedError(
+            "jittor found no MPI (mpicc): install Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
+        )
     if not jt.in_mpi or (jt.rank, jt.world_size) != (world.rank, world.size):
         raise DistributedError(
             f"jittor's MPI sees rank {jt.rank} of {jt.world_size}, the environment says {world.rank} of {world.size}"
@@ -64,8 +66,15 @@ def _all_reduce_grads(optimizer) -> None:
     optimizer.grads = out
 
 
-def parallel_train_step(wrapper, optimizer, micro_batches: list, weights: list, lr: float,
-                        label_smooth: float = 0.0, max_grad_norm: float = 0.0) -> dict:
+def parallel_train_step(
+    wrapper,
+    optimizer,
+    micro_batches: list,
+    weights: list,
+    lr: float,
+    label_smooth: float = 0.0,
+    max_grad_norm: float = 0.0,
+) -> dict:
     """One update: micro-batch ``k`` contributes ``weights[k] x`` its mean loss; the summed
     gradients are all-reduced (added) over ranks before clipping and the AdamW step."""
     model = wrapper.model

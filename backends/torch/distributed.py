@@ -83,8 +83,15 @@ def data_parallel(model):
     return DistributedDataParallel(module, device_ids=None)
 
 
-def parallel_train_step(wrapper, optimizer, micro_batches: list[dict], weights: list[float], lr: float,
-                        label_smooth: float = 0.0, max_grad_norm: float = 0.0) -> dict:
+def parallel_train_step(
+    wrapper,
+    optimizer,
+    micro_batches: list[dict],
+    weights: list[float],
+    lr: float,
+    label_smooth: float = 0.0,
+    max_grad_norm: float = 0.0,
+) -> dict:
     """One update: micro-batch ``k`` contributes ``weights[k] x`` its mean loss; DDP averages
     over ranks, so the loss is scaled by the world size to make the average the sum. The
     gradients are reduced once, on the last micro-batch (``no_sync`` before)."""
