@@ -40,6 +40,7 @@ __all__ = [
     "discover_world",
     "start_job",
     "report_error",
+    "report_exception",
     "shard_range",
     "shard_step",
     "check_shardable",
@@ -307,6 +308,15 @@ def report_error(comm: Comm | None, text: str) -> int:
         sys.stdout.flush()
         os._exit(1)
     return 1
+
+
+def report_exception(comm: Comm) -> int:
+    """:func:`report_error` for an unexpected exception in a job: its traceback, then the end."""
+    import traceback
+
+    traceback.print_exc()
+    text = "stopped by the exception above (a broken connection means another process of the job failed first)"
+    return report_error(comm, text)
 
 
 # --------------------------------------------------------------------------- beam outputs

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import traceback
 from pathlib import Path
 
 import lora_core
 from lora_core.checkpoint import CheckpointError
 from lora_core.data import group_references, read_formatted, write_jsonl_atomic
-from lora_core.distributed import DistributedError, batch_shard, gather_outputs, report_error, start_job
+from lora_core.distributed import (
+    DistributedError,
+    batch_shard,
+    gather_outputs,
+    report_error,
+    report_exception,
+    start_job,
+)
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.tokenizer import load_tokenizer
 
@@ -71,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if comm is None or not comm.world.parallel:
             raise
-        traceback.print_exc()
-        return report_error(comm, "the traceback above")
+        return report_exception(comm)
     if comm.world.parallel:
         backend.shutdown_process_group()
     if comm.world.is_main:

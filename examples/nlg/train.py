@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import traceback
 from pathlib import Path
 
 import lora_core
 from lora_core.checkpoint import CheckpointError, save_model
 from lora_core.data import read_encoded
-from lora_core.distributed import DistributedError, report_error, start_job
+from lora_core.distributed import DistributedError, report_error, report_exception, start_job
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.trainer import train
 
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if comm is None or not comm.world.parallel:
             raise
-        traceback.print_exc()
-        return report_error(comm, "the traceback above")
+        return report_exception(comm)
     if comm.world.parallel:
         backend.shutdown_process_group()
     if comm.world.is_main:
