@@ -110,7 +110,20 @@ def _launch(backend: str, nproc: int, args: list[str], env: dict | None = None) 
         mpirun = shutil.which("mpirun")
         assert mpirun, "mpirun not found: the jittor tests need Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        cmd = [mpirun, *root, "--oversubscribe", "-np", str(nproc), "-x", "OMP_NUM_THREADS", *py, *args]
+        cmd = [
+            mpirun,
+            *root,
+            "--oversubscribe",
+            "--mca",
+            "mpi_yield_when_idle",
+            "1",
+            "-np",
+            str(nproc),
+            "-x",
+            "OMP_NUM_THREADS",
+            *py,
+            *args,
+        ]
     if args is not None:
         cmd += ["--backend", backend]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
