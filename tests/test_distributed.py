@@ -6,9 +6,9 @@ Per backend: the loss sequence over 20 updates and the adapter after them within
 clipping and uneven shards (batches of 10 = micro-batches of 5 = shards of 3 + 2, and a last
 batch of 8); a rank SIGKILLed after update 13 stops the job, and ``--resume`` on 2 processes
 ends with the uninterrupted 2-process weights; the sharded beam search writes the same file
-as one process. Torch only (engine-independent code): resume on another number of processes,
-refusals (changed global batch, unshardable batch, different config per rank, unreachable
-rank)."""
+as one process; ranks started with different settings are refused on every rank. Torch only
+(engine-independent code): resume on another number of processes, refusals (changed global
+batch, unshardable batch, unreachable rank)."""
 
 from __future__ import annotations
 
@@ -86,46 +86,27 @@ def _train_args(toy, out_dir, settings=SETTINGS, save_base=False):
     ]
 
 
-def _launch(backend: str, nproc: int, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS`` in one process, or under the backend's launcher with ``nproc``; through
+def _launch(
+    backend: str, nproc: int, args: list[str], env: dict | None = None, per_rank: str = ""
+) -> subprocess.CompletedProcess:
+    """``python ARGS --backend B`` in one process, or under the backend's launcher with ``nproc``;
+    ``per_rank``: a setting appended by each rank's shell (``$RANK``: the rank). Run through
     ``sh`` so that a child killed by a signal does not upset jittor in this process."""
-    py = [sys.executable]
+    prog = [sys.executable, *args[:2], "--backend", backend, *args[2:]]  # args[:2]: -m MODULE
+    if per_rank:
+        var = "RANK" if backend == "torch" else "OMPI_COMM_WORLD_RANK"
+        prog = ["sh", "-c", f'exec "$@" {per_rank.replace("$RANK", "$" + var)}', "sh", *prog]
     if nproc == 1:
-        cmd = [*py, *args]
+        cmd = prog
     elif backend == "torch":
-        cmd = [
-            *py,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            *args[0:2],
-            "--backend",
-            "torch",
-            *args[2:],
-        ]
-        args = None
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        cmd = [*run, *(["--no-python"] if per_rank else []), *(prog if per_rank else prog[1:])]
     else:
         mpirun = shutil.which("mpirun")
         assert mpirun, "mpirun not found: the jittor tests need Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        cmd = [
-            mpirun,
-            *root,
-            "--oversubscribe",
-            "--mca",
-            "mpi_yield_when_idle",
-            "1",
-            "-np",
-            str(nproc),
-            "-x",
-            "OMP_NUM_THREADS",
-            *py,
-            *args,
-        ]
-    if args is not None:
-        cmd += ["--backend", backend]
+        opts = ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "-x", "OMP_NUM_THREADS"]
+        cmd = [mpirun, *root, *opts, "-np", str(nproc), *prog]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     sh = ["sh", "-c", '"$@"; exit $?', "sh", *cmd]
     return subprocess.run(sh, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -245,6 +226,16 @@ def test_resume_on_another_number_of_processes(runs, toy, backend):
     assert sorted(p.name for p in (d / "cut2").glob("ckpt-*")) == ["ckpt-10"]
 
 
+def test_ranks_with_different_settings_are_refused(toy, backend, tmp_path):
+    """Each rank's shell adds its own lr: the configuration hash differs, every rank says so."""
+    r = _launch(backend.NAME, 2, _train_args(toy, tmp_path / "b"), per_rank="lr=$(( $RANK + 1 ))e-3")
+    assert r.returncode != 0
+    for rank in (0, 1):
+        want = f"error: [rank {rank}/2] the run configuration or code differs between ranks: rank(s) [1]"
+        assert want in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "b").exists()
+
+
 def test_bad_jobs_fail_on_every_rank(runs, toy, backend, tmp_path):
     if backend.NAME != "torch":
         pytest.skip("engine-independent: tested with torch")
@@ -253,36 +244,6 @@ def test_bad_jobs_fail_on_every_rank(runs, toy, backend, tmp_path):
     assert r.returncode != 0 and not (tmp_path / "a").exists()
     for rank in (0, 1):
         assert f"error: [rank {rank}/2] 2 processes cannot share a batch of 4" in r.stderr, r.stderr[-3000:]
-    # ranks started with different settings: the configuration hash differs
-    args = _train_args(toy, tmp_path / "b")
-    script = 'exec "$@" lr=$(( RANK + 1 ))e-3'
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "--no-python",
-        "sh",
-        "-c",
-        script,
-        "sh",
-        sys.executable,
-        *args[:2],
-        "--backend",
-        "torch",
-        *args[2:],
-    ]
-    r = subprocess.run(
-        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT
-    )
-    assert r.returncode != 0
-    for rank in (0, 1):
-        assert f"error: [rank {rank}/2] the run configuration or code differs between ranks: rank(s) [1]" in r.stderr, (
-            r.stderr[-3000:]
-        )
-    assert not (tmp_path / "b" / "log.jsonl").exists()
     # rank 0 of 2 alone: nobody to reach
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
