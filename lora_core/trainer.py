@@ -26,6 +26,10 @@ weights as an uninterrupted one, bit for bit on the same machine and backend. A 
 checkpoint damaged afterwards (a cut copy) stops ``resume`` with an error naming the damage
 and the newest intact earlier checkpoint, which ``resume_from`` then continues from.
 
+Several processes (``torchrun``, ``mpirun``; ``comm`` from ``lora_core.distributed.start_job``):
+the same updates as one process on the same global batch (``lora_core.distributed``); rank 0
+alone writes the run folder, every rank resumes from it (a shared filesystem).
+
 Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per line, ``kind``
 ``start``/``train``/``eval``), ``ckpt-{step}/``, ``latest``.
 """
@@ -45,7 +49,9 @@ import numpy as np
 
 from .batching import collate
 from .checkpoint import atomic_write, write_json_atomic
+from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_range, shard_step
 from .dropout import NumpyDropout
+from .layers import lora_layers
 from .recipes import TrainConfig
 from .run_dir import (
     CONFIG_FILE,
@@ -125,18 +131,23 @@ def _peak_rss_mb() -> float | None:
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None) -> dict:
+def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None, comm: Comm | None = None) -> dict:
     """Plain NLL per completion token (and perplexity) over ``examples``; batches are formed
-    in length order so that dynamic padding wastes little."""
+    in length order so that dynamic padding wastes little (with ``comm``: shared by the ranks)."""
     pairs = _pairs(examples)
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    starts = range(0, len(order), batch_size)
+    if comm is not None and comm.world.parallel:
+        starts = starts[slice(*shard_range(len(starts), comm.world.size, comm.world.rank))]
     total, count = 0.0, 0
-    for s in range(0, len(order), batch_size):
+    for s in starts:
         batch = collate([pairs[i] for i in order[s : s + batch_size]], pad_to=pad_to, max_len=model.config.n_positions)
         nll, n = backend.eval_nll(model, batch)
         total, count = total + nll, count + n
+    if comm is not None and comm.world.parallel:
+        total, count = comm.all_reduce_sum([total, count])
     mean = total / max(count, 1)
-    return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": count}
+    return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": int(count)}
 
 
 @dataclasses.dataclass
@@ -158,17 +169,29 @@ class Trainer:
         model: a LoRA model of that backend (``model.config``, ``model.lora_config``).
         cfg: the training recipe.
         out_dir: run folder (created).
-        progress: show a tqdm bar.
+        progress: show a tqdm bar (rank 0 only).
         base_note: which base weights the adapter belongs to (stored in its config).
+        comm: the job of several processes (``lora_core.distributed.start_job``); default one.
     """
 
-    def __init__(self, backend, model, cfg: TrainConfig, out_dir, progress: bool = True, base_note: str | None = None):
+    def __init__(
+        self,
+        backend,
+        model,
+        cfg: TrainConfig,
+        out_dir,
+        progress: bool = True,
+        base_note: str | None = None,
+        comm: Comm | None = None,
+    ):
         if getattr(model, "lora_config", None) is None:
             raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
         if cfg.pad_to is not None and cfg.pad_to > model.config.n_positions:
             raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's n_positions={model.config.n_positions}")
         self.backend, self.model, self.cfg = backend, model, cfg
-        self.out_dir, self.progress, self.base_note = Path(out_dir), progress, base_note
+        self.comm = comm or Comm()
+        self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
+        self.dp = backend.data_parallel(model) if self.comm.world.parallel else None  # may move it to a GPU
         self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
         self.state = TrainerState()
 
@@ -194,6 +217,11 @@ class Trainer:
         if resume and old.is_file():
             diff = config_diff(json.loads(old.read_text(encoding="utf-8")), run)
             if diff:
+                if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
+                    diff.append(
+                        "(batch_size is the global batch of all processes: a resume on another number "
+                        "of processes must keep batch_size and grad_accum)"
+                    )
                 raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
         write_json_atomic(old, run)
         found = resume_point(out, self.model.config, self.model.lora_config, resume_from) if resume else None
@@ -204,7 +232,21 @@ class Trainer:
             keep = [r for r in read_log(log) if r.get("step", 0) <= self.state.step] if log.is_file() else []
             atomic_write(log, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in keep)))
 
+    def _prepare(self, pairs, resume: bool, resume_from=None) -> None:
+        """Check that every rank runs the same code and configuration, let rank 0 prepare the
+        folder (one error on every rank if it fails), then load the checkpoint on the others."""
+        comm = self.comm
+        check_shardable(len(pairs), self.cfg.batch_size, self.cfg.grad_accum, self.cfg.last_batch, comm.world.size)
+        if comm.world.parallel:
+            comm.check_same("run configuration or code", run_hash(self._run_config(pairs), self.backend.NAME))
+        comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
+        ckpt = find_checkpoint(self.out_dir) if resume and not comm.world.is_main else None
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+
     def _log(self, record: dict) -> None:
+        if not self.comm.world.is_main:
+            return
         with open(self.out_dir / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -229,9 +271,10 @@ class Trainer:
                 "dropout": f"manual_seed(seed * 1000003 + step), next {dropout_seed(cfg.seed, s.step)}",
             },
             "backend": self.backend.NAME,
+            "world_size": self.comm.world.size,
         }
         adapter = (self.model.config, self.model.lora_config, self.backend.lora_state_dict(self.model), self.base_note)
-        return write_checkpoint(self.out_dir, s.step, adapter, self.optimizer.state_numpy(), meta)
+        return self.comm.on_main(write_checkpoint, self.out_dir, s.step, adapter, self.optimizer.state_numpy(), meta)
 
     def load_checkpoint(self, path) -> None:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
@@ -264,7 +307,7 @@ class Trainer:
         pairs = _pairs(train_examples)
         valid = _pairs(valid_examples or [])[: cfg.eval_limit]
         self._check_ids(pairs + valid)
-        self._prepare_dir(pairs, resume or resume_from is not None, resume_from)
+        self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
         self._log(
@@ -278,9 +321,12 @@ class Trainer:
                 "n_train": len(pairs),
                 "n_valid": len(valid),
                 "trainable": be.count_trainable(model),
+                "world_size": self.comm.world.size,
             }
         )
-        masks = NumpyDropout(cfg.seed) if cfg.dropout_masks == "numpy" else None
+        masks = None
+        if cfg.dropout_masks == "numpy":
+            masks = ShardedDropout(cfg.seed) if self.dp is not None else NumpyDropout(cfg.seed)
         be.set_dropout_source(model, masks)
         try:
             return self._loop(pairs, valid, total, per_epoch, kill_after, masks)
@@ -288,7 +334,7 @@ class Trainer:
             be.set_dropout_source(model, None)
 
     def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
-        cfg, be, model, s = self.cfg, self.backend, self.model, self.state
+        cfg, be, s = self.cfg, self.backend, self.state
         bar = _progress(total, s.step, be.NAME, self.progress)
         window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
         start_step, result = s.step, {}
@@ -297,17 +343,13 @@ class Trainer:
             for b in range(s.batch_in_epoch, len(batches)):
                 t0 = time.perf_counter()
                 idx = batches[b]
-                micro = [
-                    collate([pairs[i] for i in chunk], pad_to=cfg.pad_to, max_len=model.config.n_positions)
-                    for chunk in np.array_split(idx, min(cfg.grad_accum, len(idx)))
-                ]
                 lr = lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule)
-                be.manual_seed(dropout_seed(cfg.seed, s.step))
+                world = self.comm.world  # framework masks: one stream per (step, rank); exact parity needs numpy masks
+                be.manual_seed(dropout_seed(cfg.seed, s.step) * world.size + world.rank)
                 if masks is not None:
                     masks.reseed(s.step)
-                out = be.train_step(model, self.optimizer, micro, lr, cfg.label_smooth, cfg.max_grad_norm)
+                out, tokens = self._update(pairs, idx, lr, masks)
                 dt = time.perf_counter() - t0
-                tokens = int(sum(int(mb["n_tokens"]) for mb in micro))
                 s.step, s.batch_in_epoch = s.step + 1, b + 1
                 s.examples_seen, s.tokens_seen = s.examples_seen + len(idx), s.tokens_seen + tokens
                 if s.batch_in_epoch == len(batches):
@@ -317,7 +359,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{lr:.2e}", refresh=False)
                 result = self._after_step(out, lr, window, total, per_epoch, valid)
-                if s.step == kill_after:
+                if s.step == kill_after and self.comm.world.rank == self.comm.world.size - 1:
                     bar.close()
                     os.kill(os.getpid(), signal.SIGKILL)
                 if s.step >= total:
@@ -336,12 +378,38 @@ class Trainer:
             "log": str(self.out_dir / LOG_FILE),
         }
 
+    def _update(self, pairs, idx, lr: float, masks) -> tuple[dict, int]:
+        """One optimizer update on the global batch ``idx``; returns the backend's result (global
+        loss) and the batch's real input tokens."""
+        cfg, be, model = self.cfg, self.backend, self.model
+        if self.dp is None:
+            micro = [
+                collate([pairs[i] for i in chunk], pad_to=cfg.pad_to, max_len=model.config.n_positions)
+                for chunk in np.array_split(idx, min(cfg.grad_accum, len(idx)))
+            ]
+            out = be.train_step(model, self.optimizer, micro, lr, cfg.label_smooth, cfg.max_grad_norm)
+            return out, int(sum(int(mb["n_tokens"]) for mb in micro))
+        shard = shard_step(idx, pairs, cfg.grad_accum, self.comm.world)
+        if masks is not None:
+            masks.plan(shard.dropout_rows, sum(1 for m in lora_layers(model) if getattr(m, "p", 0) > 0))
+        micro = [
+            collate([pairs[i] for i in c], pad_to=cfg.pad_to, max_len=model.config.n_positions) for c in shard.chunks
+        ]
+        out = be.parallel_train_step(
+            self.dp, self.optimizer, micro, shard.weights, lr, cfg.label_smooth, cfg.max_grad_norm
+        )
+        out["loss"] = float(self.comm.all_reduce_sum([out["loss"]])[0])
+        return out, shard.tokens
+
     def _after_step(self, out: dict, lr: float, window: dict, total: int, per_epoch: int, valid) -> dict:
         """Log, evaluate and save as the schedule of ``log_every``/``eval_every``/``save_every`` says."""
         cfg, s = self.cfg, self.state
         result = {"loss": out["loss"]}
         if s.step % cfg.log_every == 0 or s.step == total:
-            w = window
+            w, world = window, self.comm.world
+            memory = {"peak_rss_mb": _peak_rss_mb()}
+            if world.parallel:  # every rank's peak, gathered (a collective: all ranks log the same steps)
+                memory["peak_rss_mb_per_rank"] = self.comm.all_gather([memory["peak_rss_mb"] or 0.0])[:, 0].tolist()
             norm = out.get("grad_norm")
             self._log(
                 {
@@ -355,7 +423,7 @@ class Trainer:
                     "ms_per_batch": 1000 * w["time"] / w["n"],
                     "examples_per_s": w["examples"] / w["time"],
                     "tokens_per_s": w["tokens"] / w["time"],
-                    "peak_rss_mb": _peak_rss_mb(),
+                    **memory,
                 }
             )
             window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
@@ -367,7 +435,7 @@ class Trainer:
 
     def _evaluate(self, valid, per_epoch: int) -> dict:
         t0 = time.perf_counter()
-        res = evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg.pad_to)
+        res = evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg.pad_to, self.comm)
         self._log(
             {
                 "kind": "eval",
@@ -416,6 +484,7 @@ def train(
     base_note: str | None = None,
     kill_after: int | None = None,
     resume_from=None,
+    comm: Comm | None = None,
 ) -> dict:
     """Train ``model`` with ``cfg`` into ``out_dir``; see :class:`Trainer` and :meth:`Trainer.fit`.
 
@@ -423,5 +492,5 @@ def train(
     """
     if max_steps is not None:
         cfg = dataclasses.replace(cfg, max_steps=max_steps)
-    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note)
+    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note, comm=comm)
     return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after, resume_from=resume_from)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for set-up and the main jobs. Each command installs what is missing first
 # (a venv in .venv with torch CPU, jittor + oneDNN, transformers, peft, the evaluator's
-# dependencies, a headless Java for METEOR), so on a fresh Debian/Ubuntu machine with
-# Python 3.10+ one command is enough:
+# dependencies, a headless Java for METEOR, Open MPI for jittor's mpirun), so on a fresh
+# Debian/Ubuntu machine with Python 3.10+ one command is enough:
 #   bash scripts/lora.sh demo [ARGS]   # embedded demo: both backends, train -> beam -> decode -> eval
 #   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS)
 #   bash scripts/lora.sh setup         # only install
@@ -27,6 +27,17 @@ need_java() {
   fi
 }
 
+need_mpi() {
+  # Open MPI: jittor's data parallelism (mpirun) and its MPI ops, compiled by jittor at import
+  command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && return 0
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing Open MPI (mpirun for jittor's data parallelism)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  else
+    echo "[setup] warning: no Open MPI; install it (e.g. apt-get install openmpi-bin libopenmpi-dev) for mpirun with jittor" >&2
+  fi
+}
+
 setup() {
   "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is required")'
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
@@ -39,9 +50,10 @@ setup() {
   fi
   "${pip[@]}" -e ".[all]"
   need_java
+  need_mpi
   bash scripts/link_onednn.sh "$venv"
   echo "[setup] compiling jittor's kernels (first time: a few minutes)"
-  "$venv/bin/python" -c 'import lora_core as lc; b = lc.get_backend("jittor"); import jittor as jt; from jittor import compile_extern as ce; print("[setup] jittor", jt.__version__, "oneDNN:", ce.mkl_ops is not None); assert ce.mkl_ops is not None, "jittor did not load oneDNN"'
+  "$venv/bin/python" -c 'import lora_core as lc; b = lc.get_backend("jittor"); import jittor as jt; from jittor import compile_extern as ce; print("[setup] jittor", jt.__version__, "oneDNN:", ce.mkl_ops is not None, "MPI:", ce.mpi is not None); assert ce.mkl_ops is not None, "jittor did not load oneDNN"'
   touch "$stamp"
 }
 

@@ -12,6 +12,13 @@ _configure()
 
 from lora_core import build as _build
 
+from .distributed import (
+    all_reduce_sum,
+    data_parallel,
+    init_process_group,
+    parallel_train_step,
+    shutdown_process_group,
+)
 from .generate import beam_search
 from .lora import (
     LoRAEmbedding,
@@ -46,4 +53,6 @@ __all__ = [
     "NAME", "AdamW", "GPT2LMModel", "KVCache", "LoRAEmbedding", "LoRALinear", "LoRAMergedLinear", "beam_search",
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
+    # data parallelism (backends/*/distributed.py)
+    "all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group",
 ]

@@ -7,6 +7,10 @@
 Writes one JSON line per unique context, in ``group_references`` order:
 ``{"index": k, "tokens": [...]}`` (generated tokens), which ``examples.nlg.decode`` reads.
 The adapter is always loaded on top of its base (an adapter alone is an error).
+
+Under ``torchrun --nproc_per_node N -m examples.nlg.beam ...`` or ``mpirun -np N python -m
+examples.nlg.beam ...`` each process decodes a contiguous share of whole batches and rank 0
+writes the outputs merged in input order: the same file as one process writes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ import dataclasses
 from pathlib import Path
 
 import lora_core
+from lora_core.checkpoint import CheckpointError
 from lora_core.data import group_references, read_formatted, write_jsonl_atomic
+from lora_core.distributed import (
+    DistributedError,
+    batch_shard,
+    gather_outputs,
+    report_error,
+    report_exception,
+    start_job,
+)
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.tokenizer import load_tokenizer
 
@@ -44,15 +57,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--allow-empty", action="store_true", help="accept empty references (DART test)")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
     a = p.parse_args(argv)
-    backend = lora_core.get_backend(a.backend)
-    tok = load_tokenizer(a.vocab)
-    beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
-    model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False)
-    groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
-    outputs = decode_contexts(backend, model, tok, [g.context for g in groups], beam_cfg, a.batch_size)
-    write_beam_jsonl(a.out, outputs)
-    print(f"wrote {len(outputs)} beams to {a.out}")
+    comm = None
+    try:
+        backend = lora_core.get_backend(a.backend)
+        comm = start_job(backend, a.dist_timeout)
+        tok = load_tokenizer(a.vocab)
+        beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
+        model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False)
+        groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
+        start, stop = batch_shard(len(groups), a.batch_size, comm.world)
+        mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,
+                               progress=comm.world.is_main)
+        outputs = gather_outputs(comm, mine, start, len(groups))
+        comm.on_main(write_beam_jsonl, a.out, outputs)
+    except (ValueError, OSError, CheckpointError, DistributedError) as e:
+        return report_error(comm, str(e))
+    except Exception:
+        if comm is None or not comm.world.parallel:
+            raise
+        return report_exception(comm)
+    if comm.world.parallel:
+        backend.shutdown_process_group()
+    if comm.world.is_main:
+        print(f"wrote {len(outputs)} beams to {a.out}")
     return 0
 
 

@@ -12,6 +12,8 @@ and writes the run folder described in ``lora_core.trainer``. Examples::
     python -m examples.nlg.train ... --out-dir runs/toy --resume   # continue after a kill
     python -m examples.nlg.train ... --out-dir runs/toy --resume-from runs/toy/ckpt-600
                                    # when --resume reports the latest checkpoint damaged
+    torchrun --nproc_per_node 2 -m examples.nlg.train --backend torch ...    # data parallel
+    mpirun -np 2 python -m examples.nlg.train --backend jittor ...          # (as root: --allow-run-as-root)
 
 ``--init-checkpoint`` takes HF/OpenAI GPT-2 files (``model.safetensors`` or
 ``pytorch_model.bin``, with ``config.json``) or a ``save_model`` folder; ``--random-init``
@@ -29,11 +31,12 @@ from pathlib import Path
 import lora_core
 from lora_core.checkpoint import CheckpointError, save_model
 from lora_core.data import read_encoded
+from lora_core.distributed import DistributedError, report_error, report_exception, start_job
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.trainer import train
 
 
-def build(backend, args, lora):
+def build(backend, args, lora, comm):
     """The model and a note of its base weights."""
     if args.init_checkpoint:
         model = backend.from_pretrained(args.init_checkpoint, lora=lora)
@@ -49,7 +52,7 @@ def build(backend, args, lora):
     cfg = lora_core.gpt2_config(args.random_init, **overrides)
     base = lora_core.init_gpt2_weights(cfg, args.init_seed)
     if args.save_base:
-        save_model(Path(args.out_dir) / "base", cfg, base)
+        comm.on_main(save_model, Path(args.out_dir) / "base", cfg, base)
     note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
     return backend.build_model(cfg, lora, base=base), note
 
@@ -88,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         help="override recipe settings, e.g. --set lr=1e-3 eval_every=500 (keys of TrainConfig)",
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes (torchrun jobs)"
+    )
     parser.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
     args = parser.parse_args(argv)
     if args.vocab_size and not args.random_init:
         parser.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
 
+    comm = None
     try:
         recipe = get_recipe(args.recipe)
         args.recipe_model = recipe.model
@@ -100,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps is not None:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         backend = lora_core.get_backend(args.backend)
+        comm = start_job(backend, args.dist_timeout)
         train_data = read_encoded(args.train)
         valid_data = read_encoded(args.valid) if args.valid else None
-        model, note = build(backend, args, cfg.lora_config())
+        model, note = build(backend, args, cfg.lora_config(), comm)
         summary = train(
             backend,
             model,
@@ -115,11 +123,18 @@ def main(argv: list[str] | None = None) -> int:
             base_note=note,
             kill_after=args.stop_after,
             resume_from=args.resume_from,
+            comm=comm,
         )
-    except (ValueError, OSError, CheckpointError) as e:  # DataFormatError, CheckpointError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    except (ValueError, OSError, CheckpointError, DistributedError) as e:  # DataFormatError: a ValueError
+        return report_error(comm, str(e))
+    except Exception:
+        if comm is None or not comm.world.parallel:
+            raise
+        return report_exception(comm)
+    if comm.world.parallel:
+        backend.shutdown_process_group()
+    if comm.world.is_main:
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 
 
