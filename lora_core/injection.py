@@ -61,23 +61,32 @@ def require_injection(model) -> Injection:
     return inj
 
 
-def inject(model, config, describe, replace, b_std: float = 0.0, match_prefix: str = "") -> Injection:
-    """Plan (``plan_injection``, which raises on patterns matching nothing), then replace
-    every planned module with seeded initial values (``init_lora_arrays``)."""
+def plan(model, config, describe, match_prefix: str = "") -> Injection:
+    """What ``inject`` would do (``plan_injection``, which raises on patterns matching
+    nothing), without touching the model."""
     cfg = as_target_config(config)
     if injection_of(model) is not None:
         raise TargetError(f"{type(model).__name__} already has injected LoRA ({len(injection_of(model).plans)} "
                           f"modules); inject once per model")
+    plans = plan_injection({n: describe(m) for n, m in model.named_modules()}, cfg, match_prefix)
+    return Injection(cfg, plans, match_prefix)
+
+
+def apply(model, record: Injection, replace, b_std: float = 0.0) -> Injection:
+    """Replace every planned module, with seeded initial values (``init_lora_arrays``)."""
     modules = dict(model.named_modules())
-    plans = plan_injection({n: describe(m) for n, m in modules.items()}, cfg, match_prefix)
-    values = init_lora_arrays(plans, cfg.seed, b_std)
-    for name, plan in plans.items():
+    values = init_lora_arrays(record.plans, record.config.seed, b_std)
+    for name, p in record.plans.items():
         parent, _, child = name.rpartition(".")
-        a_name, b_name = plan.shapes()
-        replace(modules[parent], child, modules[name], plan, (values[a_name], values[b_name]), cfg.dropout)
-    record = Injection(cfg, plans, match_prefix)
+        a_name, b_name = p.shapes()
+        replace(modules[parent], child, modules[name], p, (values[a_name], values[b_name]), record.config.dropout)
     setattr(model, RECORD, record)
     return record
 
 
-__all__ = ["Injection", "RECORD", "as_target_config", "inject", "injection_of", "require_injection"]
+def inject(model, config, describe, replace, b_std: float = 0.0, match_prefix: str = "") -> Injection:
+    """``plan`` then ``apply``."""
+    return apply(model, plan(model, config, describe, match_prefix), replace, b_std)
+
+
+__all__ = ["Injection", "RECORD", "apply", "as_target_config", "inject", "injection_of", "plan", "require_injection"]

@@ -38,8 +38,9 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
-    """Load a GPT-2 checkpoint, optionally with an adapter; see ``lora_core.build.from_pretrained``."""
-    return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable)
+    """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.build.from_pretrained``."""
+    return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
+                                  load_lora_adapter)
 
 
 __all__ = [
@@ -47,3 +48,8 @@ __all__ = [
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
 ]
+
+# LoRA for any model (lora_core.targeting / injection / peft_format)
+from .inject import inject_lora, load_lora_adapter, mark_only_lora_trainable, save_lora_adapter  # noqa: E402
+
+__all__ += ["inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter"]

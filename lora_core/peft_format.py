@@ -1,0 +1,133 @@
+"""peft's adapter format (``adapter_config.json`` + ``adapter_model.safetensors``), both ways.
+
+Key layout written by ``peft.PeftModel.save_pretrained`` for LoRA (peft 0.x,
+``peft.utils.save_and_load.get_peft_model_state_dict``), for a module path ``m`` of the
+base model:
+
+- Linear / Conv1D: ``base_model.model.{m}.lora_A.weight`` (r, in), ``...lora_B.weight`` (out, r)
+- Embedding: ``base_model.model.{m}.lora_embedding_A`` (r, num), ``...lora_embedding_B`` (dim, r)
+- the bias of an adapted layer: ``base_model.model.{m}.base_layer.bias``; other trained
+  parameters (other biases, ``modules_to_save``): ``base_model.model.{name}``.
+
+These are our canonical names and layouts with other spellings, so conversion is a renaming.
+Our models may name modules without a wrapper prefix that the ``transformers`` model has
+(our GPT-2 has ``h.0...``, ``GPT2LMHeadModel`` ``transformer.h.0...``): ``module_prefix``
+is that prefix, declared by the model class, never guessed. The config's fields are read,
+and every feature we cannot represent (DoRA, layer replication, ...) is refused by name.
+"""
+
+from __future__ import annotations
+
+from .targeting import LayerPlan, LoRATargetConfig
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the wrapped model)
+
+# peft LoraConfig fields that change what the adapter computes and that we do not implement:
+# refused when set to anything but their "off" value.
+UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "LoRA bias on lora_B",
+    "layers_to_transform": "layers_to_transform", "layers_pattern": "layers_pattern",
+    "layer_replication": "layer replication", "target_parameters": "target_parameters (LoRA on nn.Parameter)",
+    "trainable_token_indices": "trainable tokens", "use_qalora": "QA-LoRA", "megatron_config": "Megatron layers",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)", "arrow_config": "Arrow routing",
+    "exclude_modules": "exclude_modules", "loftq_config": "LoftQ", "use_bdlora": "BD-LoRA",
+    "corda_config": "CorDA", "eva_config": "EVA", "modules_to_tie": "modules_to_tie",
+    "kasa_config": "KaSA", "lora_ga_config": "LoRA-GA", "monteclora_config": "MonteCLoRA", "velora_config": "VeLoRA",
+}
+# Fields that only describe the adapter (provenance, bookkeeping): read and not needed.
+METADATA = ("base_model_name_or_path", "revision", "task_type", "inference_mode", "auto_mapping", "peft_version",
+            "qalora_group_size", "megatron_core", "ensure_weight_tying")
+# init_lora_weights values that only choose the initial lora_A/lora_B (loaded values replace them);
+# the others (pissa, olora, corda, loftq, eva, orthogonal...) also change the base weights.
+_PLAIN_INITS = (True, False, "gaussian")
+
+
+def is_peft_config(meta: dict) -> bool:
+    return "peft_type" in meta
+
+
+def config_from_peft(meta: dict, path) -> LoRATargetConfig:
+    """Our targeting config from a peft ``adapter_config.json`` (already parsed).
+
+    Raises:
+        ValueError: naming ``path`` and the feature, for a non-LoRA peft type, a feature
+            of ``UNSUPPORTED``, a base-changing ``init_lora_weights``, missing
+            ``target_modules`` (peft would pick per-model defaults: not guessed here),
+            or any unknown field that is set.
+    """
+    if meta.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {meta.get('peft_type')!r} is not supported (only LORA)")
+    refused = [f"{UNSUPPORTED[k]} ({k}={v!r})" for k, v in meta.items() if k in UNSUPPORTED and _is_set(v)]
+    known = set(UNSUPPORTED) | set(METADATA) | {"peft_type", "r", "lora_alpha", "target_modules", "rank_pattern",
+                                                "alpha_pattern", "lora_dropout", "bias", "modules_to_save",
+                                                "fan_in_fan_out", "use_rslora", "init_lora_weights"}
+    refused += [f"unknown field {k}={v!r}" for k, v in meta.items() if k not in known and _is_set(v)]
+    if meta.get("init_lora_weights", True) not in _PLAIN_INITS:
+        refused.append(f"init_lora_weights={meta['init_lora_weights']!r} (changes the base weights)")
+    if meta.get("target_modules") in (None, [], ""):
+        refused.append("target_modules is not set (peft's per-model defaults are not guessed)")
+    if not isinstance(meta.get("fan_in_fan_out", False), bool):
+        refused.append(f"fan_in_fan_out={meta['fan_in_fan_out']!r} is not a boolean")
+    if refused:
+        raise ValueError(f"{path}: peft adapter uses what lora_core cannot represent: {refused}")
+    targets = meta["target_modules"]
+    try:
+        return LoRATargetConfig(
+            r=meta["r"], alpha=meta["lora_alpha"], target_modules=targets if isinstance(targets, str) else tuple(targets),
+            rank_pattern=dict(meta.get("rank_pattern") or {}), alpha_pattern=dict(meta.get("alpha_pattern") or {}),
+            dropout=meta.get("lora_dropout", 0.0), bias=meta.get("bias", "none"),
+            modules_to_save=tuple(meta.get("modules_to_save") or ()), use_rslora=bool(meta.get("use_rslora", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a valid peft LoRA config ({type(e).__name__}: {e})") from e
+
+
+def config_to_peft(cfg: LoRATargetConfig, plans: dict[str, LayerPlan], module_prefix: str = "",
+                   base_model_name_or_path: str | None = None, task_type: str | None = None) -> dict:
+    """``adapter_config.json`` for ``peft.PeftModel.from_pretrained``.
+
+    Per-slice fused layers (``fused_slices``) have no peft form and are refused.
+    ``fan_in_fan_out`` is True when a Conv1D layer is adapted (what peft sets for GPT-2).
+    Targets name full module paths, so the prefix is added to exact names and regexes."""
+    sliced = [n for n, p in plans.items() if p.enable is not None]
+    if sliced:
+        raise ValueError(f"per-slice LoRA on fused layers has no peft form ({sliced[:3]}...); "
+                         f"adapt them as one matrix (no fused_slices / enable_lora=None) to save format='peft'")
+    if module_prefix and isinstance(cfg.target_modules, str):
+        targets = f"{_regex_escape(module_prefix)}(?:{cfg.target_modules})"
+    else:
+        targets = sorted(cfg.target_modules) if not isinstance(cfg.target_modules, str) else cfg.target_modules
+    return {
+        "peft_type": "LORA", "r": cfg.r, "lora_alpha": cfg.alpha, "target_modules": targets,
+        "rank_pattern": dict(cfg.rank_pattern), "alpha_pattern": dict(cfg.alpha_pattern),
+        "lora_dropout": cfg.dropout, "bias": cfg.bias, "modules_to_save": list(cfg.modules_to_save) or None,
+        "fan_in_fan_out": any(p.kind == "conv1d" for p in plans.values()), "use_rslora": cfg.use_rslora,
+        "use_dora": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
+        "layers_pattern": None, "base_model_name_or_path": base_model_name_or_path, "task_type": task_type,
+    }
+
+
+def peft_key(name: str, plans: dict[str, LayerPlan], module_prefix: str = "") -> str:
+    """Canonical parameter name -> its key in ``adapter_model.safetensors``."""
+    module, _, leaf = name.rpartition(".")
+    plan = plans.get(module)
+    full = KEY_PREFIX + module_prefix + module
+    if plan is not None and leaf in ("lora_A", "lora_B"):
+        return f"{full}.lora_embedding_{leaf[-1]}" if plan.kind == "embedding" else f"{full}.{leaf}.weight"
+    if plan is not None and leaf == "bias":
+        return f"{full}.base_layer.bias"
+    return KEY_PREFIX + module_prefix + name
+
+
+def _is_set(v) -> bool:
+    return v not in (None, False, "", [], {}, ())
+
+
+def _regex_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+__all__ = ["KEY_PREFIX", "PEFT_CONFIG", "PEFT_WEIGHTS", "UNSUPPORTED", "config_from_peft", "config_to_peft",
+           "is_peft_config", "peft_key"]
