@@ -66,7 +66,7 @@ def save(path: str | os.PathLike, inj: Injection, tensors: dict[str, np.ndarray]
         else:
             module_prefix_for_regex = module_prefix
         meta = pf.config_to_peft(cfg, inj.plans, module_prefix_for_regex, base)
-        out = {pf.peft_key(k, inj.plans, module_prefix): tensors[k] for k in expected}
+        out = pf.tensors_to_peft({k: tensors[k] for k in expected}, inj.plans, module_prefix)
         write_safetensors_atomic(path / pf.PEFT_WEIGHTS, out, {"format": "pt"})
         write_json_atomic(path / pf.PEFT_CONFIG, meta)
     else:

@@ -61,6 +61,18 @@ def require_injection(model) -> Injection:
     return inj
 
 
+def record_of(model, describe_adapted) -> Injection:
+    """``model.lora_injection``, or for a GPT-2 built with LoRA (``model.lora_config``, the
+    built-in per-slice layers) the equivalent record, so that its adapter can be saved in
+    either format. ``describe_adapted`` describes LoRA layers by their base kind."""
+    inj = injection_of(model)
+    lora = getattr(model, "lora_config", None)
+    if inj is not None or not isinstance(lora, LoRAConfig) or not lora.r:
+        return require_injection(model)
+    cfg = LoRATargetConfig.from_gpt2(lora)
+    return Injection(cfg, plan_injection({n: describe_adapted(m) for n, m in model.named_modules()}, cfg))
+
+
 def plan(model, config, describe, match_prefix: str = "") -> Injection:
     """What ``inject`` would do (``plan_injection``, which raises on patterns matching
     nothing), without touching the model."""
@@ -89,4 +101,4 @@ def inject(model, config, describe, replace, b_std: float = 0.0, match_prefix: s
     return apply(model, plan(model, config, describe, match_prefix), replace, b_std)
 
 
-__all__ = ["Injection", "RECORD", "apply", "as_target_config", "inject", "injection_of", "plan", "require_injection"]
+__all__ = ["Injection", "RECORD", "apply", "as_target_config", "inject", "injection_of", "plan", "record_of", "require_injection"]

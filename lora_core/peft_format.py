@@ -18,6 +18,11 @@ and every feature we cannot represent (DoRA, layer replication, ...) is refused 
 
 from __future__ import annotations
 
+import math
+import re
+
+import numpy as np
+
 from .targeting import LayerPlan, LoRATargetConfig
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -86,25 +91,57 @@ def config_to_peft(cfg: LoRATargetConfig, plans: dict[str, LayerPlan], module_pr
                    base_model_name_or_path: str | None = None, task_type: str | None = None) -> dict:
     """``adapter_config.json`` for ``peft.PeftModel.from_pretrained``.
 
-    Per-slice fused layers (``fused_slices``) have no peft form and are refused.
     ``fan_in_fan_out`` is True when a Conv1D layer is adapted (what peft sets for GPT-2).
-    Targets name full module paths, so the prefix is added to exact names and regexes."""
-    sliced = [n for n, p in plans.items() if p.enable is not None]
-    if sliced:
-        raise ValueError(f"per-slice LoRA on fused layers has no peft form ({sliced[:3]}...); "
-                         f"adapt them as one matrix (no fused_slices / enable_lora=None) to save format='peft'")
+    Regex targets name full module paths, so the prefix is added to them. A per-slice fused
+    layer (GPT-2's q, v ``c_attn``) has no peft layer; it is written exactly as one matrix of
+    rank ``k*r`` (``sliced_as_whole``) with its own ``rank_pattern`` / ``alpha_pattern`` entry
+    keeping the scaling."""
     if module_prefix and isinstance(cfg.target_modules, str):
-        targets = f"{_regex_escape(module_prefix)}(?:{cfg.target_modules})"
+        targets = f"{re.escape(module_prefix)}(?:{cfg.target_modules})"
     else:
         targets = sorted(cfg.target_modules) if not isinstance(cfg.target_modules, str) else cfg.target_modules
+    rank_pattern, alpha_pattern = dict(cfg.rank_pattern), dict(cfg.alpha_pattern)
+    for name, plan in plans.items():
+        if plan.enable is None:
+            continue
+        clash = [p for p in (*rank_pattern, *alpha_pattern) if re.match(rf"(.*\.)?({p})$", name)]
+        if clash:
+            raise ValueError(f"{name}: per-slice LoRA and rank/alpha patterns {clash} on the same module have no peft form")
+        r_whole = plan.r * sum(plan.enable)
+        rank_pattern[re.escape(name)] = r_whole
+        alpha_pattern[re.escape(name)] = plan.scaling * (math.sqrt(r_whole) if cfg.use_rslora else r_whole)
     return {
         "peft_type": "LORA", "r": cfg.r, "lora_alpha": cfg.alpha, "target_modules": targets,
-        "rank_pattern": dict(cfg.rank_pattern), "alpha_pattern": dict(cfg.alpha_pattern),
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "lora_dropout": cfg.dropout, "bias": cfg.bias, "modules_to_save": list(cfg.modules_to_save) or None,
         "fan_in_fan_out": any(p.kind == "conv1d" for p in plans.values()), "use_rslora": cfg.use_rslora,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
         "layers_pattern": None, "base_model_name_or_path": base_model_name_or_path, "task_type": task_type,
     }
+
+
+def sliced_as_whole(plan: LayerPlan, B: np.ndarray) -> np.ndarray:
+    """``lora_B`` of a per-slice layer as one (out, k*r) matrix: block j (enabled slice i)
+    holds ``B[j*o:(j+1)*o]`` at rows of slice i, columns ``j*r:(j+1)*r``; zeros elsewhere.
+    With the stacked ``lora_A`` (k*r, in) unchanged, ``B' A = `` the per-slice update."""
+    o, r = plan.out_features // len(plan.enable), plan.r
+    whole = np.zeros((plan.out_features, r * sum(plan.enable)), dtype=B.dtype)
+    for j, i in enumerate(i for i, on in enumerate(plan.enable) if on):
+        whole[i * o:(i + 1) * o, j * r:(j + 1) * r] = B[j * o:(j + 1) * o]
+    return whole
+
+
+def tensors_to_peft(tensors: dict[str, np.ndarray], plans: dict[str, LayerPlan], module_prefix: str = ""
+                    ) -> dict[str, np.ndarray]:
+    """Canonical adapter tensors -> peft's keys (per-slice ``lora_B`` made whole)."""
+    out = {}
+    for name, v in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        plan = plans.get(module)
+        if plan is not None and plan.enable is not None and leaf == "lora_B":
+            v = sliced_as_whole(plan, v)
+        out[peft_key(name, plans, module_prefix)] = v
+    return out
 
 
 def peft_key(name: str, plans: dict[str, LayerPlan], module_prefix: str = "") -> str:
@@ -123,11 +160,5 @@ def _is_set(v) -> bool:
     return v not in (None, False, "", [], {}, ())
 
 
-def _regex_escape(s: str) -> str:
-    import re
-
-    return re.escape(s)
-
-
 __all__ = ["KEY_PREFIX", "PEFT_CONFIG", "PEFT_WEIGHTS", "UNSUPPORTED", "config_from_peft", "config_to_peft",
-           "is_peft_config", "peft_key"]
+           "is_peft_config", "peft_key", "sliced_as_whole", "tensors_to_peft"]

@@ -187,3 +187,25 @@ def test_any_jittor_module_vs_reference():
     net.eval()
     net.train()  # jittor's train() restores what eval() stopped: still only LoRA
     assert sorted(bj.trainable_parameters(net)) == sorted(n for n in p if "lora_" in n)
+
+
+def test_paper_qv_adapter_exports_to_peft_exactly(backend, gpt2_dirs, tmp_path):
+    """The built-in GPT-2 LoRA (per-slice q, v of c_attn, the paper's) saved as peft: one
+    rank-2r matrix per c_attn; peft and our re-loaded model give the same logits."""
+    hf, _, root = gpt2_dirs
+    lora = lc.LoRAConfig(r=4, alpha=32, bias="lora_only")
+    cfg, base = lc.load_gpt2_checkpoint(root / "base")
+    rng = np.random.default_rng(2)
+    values = {n: rng.normal(0, 0.1, s).astype(np.float32) for n, s in lc.lora_shapes(cfg, lora).items()}
+    ours = backend.build_model(cfg, lora, base, values)
+    ours.eval()
+    backend.save_lora_adapter(ours, tmp_path, format="peft")
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    _, mask = _ids()
+    mine = to_numpy(_our_logits(backend, ours)) * mask[..., None]
+    assert_close(f"{backend.NAME} paper q,v adapter -> peft logits", mine, to_numpy(_hf_logits(theirs)) * mask[..., None],
+                 1e-5, floor=1.0)
+    back = backend.from_pretrained(root / "base", adapter=tmp_path)
+    back.eval()
+    assert_close(f"{backend.NAME} paper q,v adapter -> peft -> ours logits",
+                 to_numpy(_our_logits(backend, back)) * mask[..., None], mine, 1e-5, floor=1.0)

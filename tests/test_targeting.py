@@ -8,7 +8,7 @@ import pytest
 
 from lora_core import reference as ref
 from lora_core.config import LoRAConfig
-from lora_core.peft_format import config_from_peft, config_to_peft, peft_key
+from lora_core.peft_format import config_from_peft, config_to_peft, peft_key, sliced_as_whole
 from lora_core.targeting import LoRATargetConfig, TargetError, init_lora_arrays, plan_injection, trainable_names
 
 # module name -> (kind, in, out) or type name: a DistilBERT-like layout
@@ -125,9 +125,21 @@ def test_peft_config_read_and_keys():
     assert peft_key("classifier.weight", plans) == "base_model.model.classifier.weight"
     emb = plan_injection(MODULES, LoRATargetConfig(target_modules=("emb",)))
     assert peft_key("bert.emb.lora_B", emb) == "base_model.model.bert.emb.lora_embedding_B"
-    sliced = plan_injection({"qkv": ("linear", 8, 24)}, LoRATargetConfig(target_modules=("qkv",), fused_slices={"qkv": (True, False, True)}))
+
+
+def test_per_slice_layer_in_peft_form_is_exact():
+    cfg = LoRATargetConfig(r=2, alpha=6, target_modules=("qkv",), fused_slices={"qkv": (True, False, True)})
+    plan = plan_injection({"m.qkv": ("linear", 8, 24)}, cfg)
+    meta = config_to_peft(cfg, plan)
+    assert meta["rank_pattern"] == {r"m\.qkv": 4} and meta["alpha_pattern"] == {r"m\.qkv": 3.0 * 4}
+    rng = np.random.default_rng(0)
+    A, B = rng.normal(size=(4, 8)), rng.normal(size=(16, 2))
+    whole = sliced_as_whole(plan["m.qkv"], B)
+    np.testing.assert_allclose(12.0 / 4 * whole @ A, ref.lora_delta(A, B, 3.0, 24, (True, False, True)), rtol=1e-12)
     with pytest.raises(ValueError, match="no peft form"):
-        config_to_peft(LoRATargetConfig(target_modules=("qkv",)), sliced)
+        config_to_peft(LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2}, fused_slices={"qkv": (True, True)}),
+                       plan_injection({"m.qkv": ("linear", 8, 24)}, LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2},
+                                                                                  fused_slices={"qkv": (True, True)})))
 
 
 def test_reference_conv1d_is_transposed_linear():

@@ -43,8 +43,13 @@ class LoRAMergedConv1D(_FanInFanOut, LoRAMergedLinear):
     """``LoRAMergedLinear`` (per-slice LoRA) on a ``Conv1D``-style weight (in, out)."""
 
 
-def _describe(m: nn.Module):
-    """``(kind, in, out)`` of a module LoRA can adapt, else its type name."""
+def _describe(m: nn.Module, adapted_ok: bool = False):
+    """``(kind, in, out)`` of a module LoRA can adapt, else its type name (``adapted_ok``:
+    a layer that already has LoRA is described by its base kind)."""
+    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
+        return ("embedding", *m.weight.shape) if isinstance(m, LoRAEmbedding) else ("linear", m.weight.shape[1], m.weight.shape[0])
     if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
         return f"{type(m).__name__} already adapted (r={m.r})"
     if type(m) in (nn.Embedding, LoRAEmbedding):
@@ -108,7 +113,7 @@ def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def save_lora_adapter(model: nn.Module, path: str | os.PathLike, format: str = "lora_core",
                       base: str | None = None) -> None:
     """Save the adapter of an injected model (``"lora_core"`` or ``"peft"`` format)."""
-    inj = require_injection(model)
+    inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
     names = set(inj.trainable(n for n, _ in model.named_parameters()))
     tensors = {n: p.numpy().astype(np.float32) for n, p in model.named_parameters() if n in names}
     adapter_io.save(path, inj, tensors, _param_shapes(model), format, getattr(model, "peft_module_prefix", ""), base)

@@ -43,8 +43,13 @@ class LoRAMergedConv1D(_FanInFanOut, LoRAMergedLinear):
     """``LoRAMergedLinear`` (per-slice LoRA) on a GPT-2 ``Conv1D`` weight (in, out)."""
 
 
-def _describe(m: nn.Module):
-    """``(kind, in, out)`` of a module LoRA can adapt, else its type name."""
+def _describe(m: nn.Module, adapted_ok: bool = False):
+    """``(kind, in, out)`` of a module LoRA can adapt, else its type name (``adapted_ok``:
+    a layer that already has LoRA is described by its base kind)."""
+    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
+        return ("embedding", *m.weight.shape) if isinstance(m, LoRAEmbedding) else ("linear", m.weight.shape[1], m.weight.shape[0])
     if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
         return f"{type(m).__name__} already adapted (r={m.r})"
     if isinstance(m, LoRAEmbedding) or (isinstance(m, nn.Embedding) and m.max_norm is None):
@@ -112,7 +117,7 @@ def save_lora_adapter(model: nn.Module, path: str | os.PathLike, format: str = "
                       base: str | None = None) -> None:
     """Save the adapter of an injected model: ``format="lora_core"`` or ``"peft"`` (loadable
     by ``peft.PeftModel.from_pretrained`` on the matching ``transformers`` model)."""
-    inj = require_injection(model)
+    inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
     names = set(inj.trainable(n for n, _ in model.named_parameters()))
     tensors = {n: p.detach().cpu().float().numpy() for n, p in model.named_parameters() if n in names}
     adapter_io.save(path, inj, tensors, _param_shapes(model), format, getattr(model, "peft_module_prefix", ""), base)
