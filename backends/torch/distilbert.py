@@ -1,0 +1,147 @@
+"""DistilBERT for sequence classification in PyTorch, module names of ``transformers``'
+``DistilBertForSequenceClassification`` (spec: ``lora_core.distilbert``).
+
+Contract (same in every backend): ``DistilBertForSequenceClassification(cfg)``;
+``model(input_ids, attention_mask=None) -> logits`` (B, num_labels); ``attention_mask``
+(B, T) marks real tokens with 1 (padded keys get no attention); ``load_weights`` (strict);
+``state_numpy()``. LoRA goes on with ``inject_lora`` (e.g. ``q_lin``, ``v_lin`` +
+``modules_to_save=("classifier",)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_core.checkpoint import check_tensors
+from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint
+
+_NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.dim)
+        self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.LayerNorm(self.word_embeddings(ids) + self.position_embeddings(pos)))
+
+
+class MultiHeadSelfAttention(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.n_heads, self.scale = cfg.n_heads, attention_scale(cfg)
+        self.q_lin, self.k_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
+        self.v_lin, self.out_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
+        self.dropout = nn.Dropout(cfg.attention_dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        B, T, E = x.shape
+
+        def heads(t):  # (B, T, E) -> (B, nh, T, hs)
+            return t.view(B, T, self.n_heads, E // self.n_heads).transpose(1, 2)
+
+        q, k, v = heads(self.q_lin(x)), heads(self.k_lin(x)), heads(self.v_lin(x))
+        att = torch.softmax((q @ k.transpose(-1, -2)) * self.scale + bias, dim=-1)  # (B, nh, T, T)
+        y = (self.dropout(att) @ v).transpose(1, 2).reshape(B, T, E)
+        return self.out_lin(y)
+
+
+class FFN(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(cfg.dim, cfg.hidden_dim), nn.Linear(cfg.hidden_dim, cfg.dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.lin2(F.gelu(self.lin1(x))))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.attention = MultiHeadSelfAttention(cfg)
+        self.sa_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
+        self.ffn = FFN(cfg)
+        self.output_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = self.sa_layer_norm(self.attention(x, bias) + x)
+        return self.output_layer_norm(self.ffn(x) + x)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+
+
+class DistilBertModel(nn.Module):
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.embeddings = Embeddings(cfg)
+        self.transformer = Transformer(cfg)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = ids.shape
+        if attention_mask is None:
+            bias = ids.new_zeros((B, 1, T, T), dtype=torch.float32)
+        else:
+            bias = ((1.0 - attention_mask.float()) * _NEG).view(B, 1, 1, T).expand(B, 1, T, T)
+        h = self.embeddings(ids)
+        for block in self.transformer.layer:
+            h = block(h, bias)
+        return h  # (B, T, E)
+
+
+class DistilBertForSequenceClassification(nn.Module):
+    """``transformers.DistilBertForSequenceClassification`` (see module docstring)."""
+
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.config = cfg
+        self.distilbert = DistilBertModel(cfg)
+        self.pre_classifier = nn.Linear(cfg.dim, cfg.dim)
+        self.classifier = nn.Linear(cfg.dim, cfg.num_labels)
+        self.dropout = nn.Dropout(cfg.seq_classif_dropout)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.distilbert(input_ids, attention_mask)[:, 0]  # first token, (B, E)
+        return self.classifier(self.dropout(F.relu(self.pre_classifier(h))))
+
+    def load_weights(self, tensors: dict) -> None:
+        """Copy numpy tensors into every parameter (strict)."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+
+    def state_numpy(self) -> dict:
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
+
+
+def distilbert_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                               num_labels: int | None = None, head_seed: int = 0):
+    """A DistilBERT classifier from HF weights (a checkpoint without a classification head
+    gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's)."""
+    from .inject import load_lora_adapter
+
+    cfg, tensors, has_head = load_distilbert_checkpoint(path, num_labels=num_labels)
+    model = DistilBertForSequenceClassification(cfg)
+    model.load_weights(tensors if has_head else dict(tensors, **init_head(cfg, head_seed)))
+    if adapter is not None:
+        load_lora_adapter(model, adapter)
+    return model
+
+
+__all__ = ["DistilBertForSequenceClassification", "distilbert_from_pretrained"]
