@@ -19,12 +19,23 @@ from .lora import assign_keep_grad
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout``; in parity mode its masks come from the shared numpy stream."""
+
+    mask_source = None
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        if self.mask_source is not None and self.is_training() and self.p > 0:
+            return x * jt.array(self.mask_source.mask(tuple(x.shape), self.p))
+        return super().execute(x)
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.dim)
         self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def execute(self, ids: jt.Var) -> jt.Var:
         pos = jt.arange(ids.shape[1])
@@ -36,7 +47,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.n_heads, self.scale = cfg.n_heads, attention_scale(cfg)
         self.q_lin, self.k_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
         self.v_lin, self.out_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
-        self.dropout = nn.Dropout(cfg.attention_dropout)
+        self.dropout = Dropout(cfg.attention_dropout)
 
     def execute(self, x: jt.Var, bias: jt.Var) -> jt.Var:
         B, T, E = x.shape
@@ -54,7 +65,7 @@ class MultiHeadSelfAttention(nn.Module):
 class FFN(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.lin1, self.lin2 = nn.Linear(cfg.dim, cfg.hidden_dim), nn.Linear(cfg.hidden_dim, cfg.dim)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def execute(self, x: jt.Var) -> jt.Var:
         return self.dropout(self.lin2(nn.gelu(self.lin1(x))))
@@ -102,7 +113,7 @@ class DistilBertForSequenceClassification(nn.Module):
         self.distilbert = DistilBertModel(cfg)
         self.pre_classifier = nn.Linear(cfg.dim, cfg.dim)
         self.classifier = nn.Linear(cfg.dim, cfg.num_labels)
-        self.dropout = nn.Dropout(cfg.seq_classif_dropout)
+        self.dropout = Dropout(cfg.seq_classif_dropout)
 
     def train(self):
         for m in self.modules():

@@ -23,13 +23,25 @@ from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, l
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout``; in parity mode (``set_dropout_source``) its masks come from a shared
+    numpy stream (``lora_core.dropout.NumpyDropout``), so both backends drop the same units."""
+
+    mask_source = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask_source is not None and self.training and self.p > 0:
+            return x * torch.from_numpy(self.mask_source.mask(tuple(x.shape), self.p)).to(x.device)
+        return super().forward(x)
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_token_id)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.dim)
         self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)
@@ -42,7 +54,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.n_heads, self.scale = cfg.n_heads, attention_scale(cfg)
         self.q_lin, self.k_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
         self.v_lin, self.out_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
-        self.dropout = nn.Dropout(cfg.attention_dropout)
+        self.dropout = Dropout(cfg.attention_dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         B, T, E = x.shape
@@ -60,7 +72,7 @@ class FFN(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         super().__init__()
         self.lin1, self.lin2 = nn.Linear(cfg.dim, cfg.hidden_dim), nn.Linear(cfg.hidden_dim, cfg.dim)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.lin2(F.gelu(self.lin1(x))))
@@ -112,7 +124,7 @@ class DistilBertForSequenceClassification(nn.Module):
         self.distilbert = DistilBertModel(cfg)
         self.pre_classifier = nn.Linear(cfg.dim, cfg.dim)
         self.classifier = nn.Linear(cfg.dim, cfg.num_labels)
-        self.dropout = nn.Dropout(cfg.seq_classif_dropout)
+        self.dropout = Dropout(cfg.seq_classif_dropout)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.distilbert(input_ids, attention_mask)[:, 0]  # first token, (B, E)
