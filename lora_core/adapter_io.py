@@ -39,9 +39,15 @@ def expected_shapes(inj: Injection, param_shapes: dict[str, tuple[int, ...]]) ->
     return {n: tuple(param_shapes[n]) for n in inj.trainable(param_shapes)}
 
 
-def save(path: str | os.PathLike, inj: Injection, tensors: dict[str, np.ndarray],
-         param_shapes: dict[str, tuple[int, ...]], format: AdapterFormat = "lora_core", module_prefix: str = "",
-         base: str | None = None) -> None:
+def save(
+    path: str | os.PathLike,
+    inj: Injection,
+    tensors: dict[str, np.ndarray],
+    param_shapes: dict[str, tuple[int, ...]],
+    format: AdapterFormat = "lora_core",
+    module_prefix: str = "",
+    base: str | None = None,
+) -> None:
     """Write the adapter: ``tensors`` holds at least every name of ``expected_shapes``.
 
     Args:
@@ -54,15 +60,19 @@ def save(path: str | os.PathLike, inj: Injection, tensors: dict[str, np.ndarray]
     check_tensors(path, {k: v for k, v in tensors.items() if k in expected}, expected)
     if format == "lora_core":
         write_safetensors_atomic(path / ADAPTER_WEIGHTS, {k: tensors[k] for k in expected})
-        write_json_atomic(path / ADAPTER_CONFIG, {"lora_core_format": FORMAT_VERSION, "kind": "injected",
-                                                  "targets": inj.config.to_dict(), "base": base})
+        write_json_atomic(
+            path / ADAPTER_CONFIG,
+            {"lora_core_format": FORMAT_VERSION, "kind": "injected", "targets": inj.config.to_dict(), "base": base},
+        )
     elif format == "peft":
         cfg = inj.config
         if isinstance(cfg.target_modules, str) and inj.match_prefix == module_prefix:
             module_prefix_for_regex = ""
         elif isinstance(cfg.target_modules, str) and inj.match_prefix:
-            raise ValueError(f"regex targets were matched with prefix {inj.match_prefix!r}, cannot save them "
-                             f"for prefix {module_prefix!r}")
+            raise ValueError(
+                f"regex targets were matched with prefix {inj.match_prefix!r}, cannot save them "
+                f"for prefix {module_prefix!r}"
+            )
         else:
             module_prefix_for_regex = module_prefix
         meta = pf.config_to_peft(cfg, inj.plans, module_prefix_for_regex, base)
@@ -82,8 +92,10 @@ def read_config(path: str | os.PathLike) -> tuple[LoRATargetConfig, AdapterForma
     if pf.is_peft_config(meta):
         return pf.config_from_peft(meta, cfg_path), "peft"
     if meta.get("kind") != "injected" or "targets" not in meta:
-        raise CheckpointError(f"{cfg_path}: not an adapter of an injected model (GPT-2 adapters load with "
-                              f"from_pretrained(base, adapter=...))")
+        raise CheckpointError(
+            f"{cfg_path}: not an adapter of an injected model (GPT-2 adapters load with "
+            f"from_pretrained(base, adapter=...))"
+        )
     try:
         return LoRATargetConfig.from_dict(meta["targets"]), "lora_core"
     except (TypeError, ValueError) as e:
@@ -99,8 +111,9 @@ def is_injected_adapter(path: str | os.PathLike) -> bool:
     return pf.is_peft_config(meta) or meta.get("kind") == "injected"
 
 
-def load(path: str | os.PathLike, inj: Injection, param_shapes: dict[str, tuple[int, ...]],
-         module_prefix: str = "") -> dict[str, np.ndarray]:
+def load(
+    path: str | os.PathLike, inj: Injection, param_shapes: dict[str, tuple[int, ...]], module_prefix: str = ""
+) -> dict[str, np.ndarray]:
     """The adapter's tensors under canonical names, checked against the model (strict: a
     missing LoRA key is an error, never a zero ``lora_B``)."""
     path = Path(path)

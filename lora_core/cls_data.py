@@ -54,14 +54,16 @@ def wordpiece_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True):
     from tokenizers.models import WordPiece
 
     tok = Tokenizer(WordPiece.from_file(str(vocab_path), unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None, clean_text=True,
-                                                handle_chinese_chars=True)
+    tok.normalizer = normalizers.BertNormalizer(
+        lowercase=lowercase, strip_accents=None, clean_text=True, handle_chinese_chars=True
+    )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     if cls is None or sep is None or tok.token_to_id("[PAD]") != 0:
         raise DataError(f"{vocab_path}: not a BERT vocabulary ([CLS], [SEP] and [PAD]=0 expected)")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls),
-                                                                                              ("[SEP]", sep)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
     return tok
 
 
@@ -72,7 +74,7 @@ def encode(tokenizer, sentences: list[str], max_len: int = 128) -> tuple[list[li
     for enc in tokenizer.encode_batch(sentences):
         seq = enc.ids
         if len(seq) > max_len:
-            seq, cut = seq[:max_len - 1] + [sep], cut + 1
+            seq, cut = seq[: max_len - 1] + [sep], cut + 1
         ids.append(seq)
     return ids, cut
 
@@ -84,7 +86,7 @@ def collate(ids: list[list[int]], labels: list[int] | None = None, pad_id: int =
     input_ids = np.full((len(ids), T), pad_id, dtype=np.int64)
     mask = np.zeros((len(ids), T), dtype=np.int64)
     for i, s in enumerate(ids):
-        input_ids[i, :len(s)], mask[i, :len(s)] = s, 1
+        input_ids[i, : len(s)], mask[i, : len(s)] = s, 1
     batch = {"input_ids": input_ids, "attention_mask": mask}
     if labels is not None:
         batch["labels"] = np.asarray(labels, dtype=np.int64)

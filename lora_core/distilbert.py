@@ -24,8 +24,14 @@ import numpy as np
 from .checkpoint import check_tensors
 from .tensor_files import CheckpointError, read_json, read_tensors
 
-MLM_HEAD_KEYS = ("vocab_transform.weight", "vocab_transform.bias", "vocab_layer_norm.weight", "vocab_layer_norm.bias",
-                 "vocab_projector.weight", "vocab_projector.bias")
+MLM_HEAD_KEYS = (
+    "vocab_transform.weight",
+    "vocab_transform.bias",
+    "vocab_layer_norm.weight",
+    "vocab_layer_norm.bias",
+    "vocab_projector.weight",
+    "vocab_projector.bias",
+)
 HEAD_KEYS = ("pre_classifier.weight", "pre_classifier.bias", "classifier.weight", "classifier.bias")
 
 
@@ -69,8 +75,10 @@ class DistilBertConfig:
         if d.get("model_type", "distilbert") != "distilbert":
             raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not distilbert")
         if d.get("sinusoidal_pos_embds") or d.get("activation", "gelu") != "gelu":
-            raise ValueError(f"{path}: sinusoidal_pos_embds={d.get('sinusoidal_pos_embds')!r}, "
-                             f"activation={d.get('activation')!r}: only learned positions and gelu are implemented")
+            raise ValueError(
+                f"{path}: sinusoidal_pos_embds={d.get('sinusoidal_pos_embds')!r}, "
+                f"activation={d.get('activation')!r}: only learned positions and gelu are implemented"
+            )
         keys = [f.name for f in dataclasses.fields(cls) if f.name != "num_labels"]
         labels = num_labels or (len(d["id2label"]) if "id2label" in d else d.get("num_labels", 2))
         return cls(**{k: d[k] for k in keys if k in d}, num_labels=labels)
@@ -85,20 +93,37 @@ PRESETS = {
 def base_shapes(cfg: DistilBertConfig, head: bool = True) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every parameter, in module order (HF names)."""
     E, p = cfg.dim, "distilbert."
-    shapes = {p + "embeddings.word_embeddings.weight": (cfg.vocab_size, E),
-              p + "embeddings.position_embeddings.weight": (cfg.max_position_embeddings, E),
-              p + "embeddings.LayerNorm.weight": (E,), p + "embeddings.LayerNorm.bias": (E,)}
+    shapes = {
+        p + "embeddings.word_embeddings.weight": (cfg.vocab_size, E),
+        p + "embeddings.position_embeddings.weight": (cfg.max_position_embeddings, E),
+        p + "embeddings.LayerNorm.weight": (E,),
+        p + "embeddings.LayerNorm.bias": (E,),
+    }
     for i in range(cfg.n_layers):
         q = f"{p}transformer.layer.{i}."
         for lin in ("q_lin", "k_lin", "v_lin", "out_lin"):
             shapes.update({f"{q}attention.{lin}.weight": (E, E), f"{q}attention.{lin}.bias": (E,)})
-        shapes.update({q + "sa_layer_norm.weight": (E,), q + "sa_layer_norm.bias": (E,),
-                       q + "ffn.lin1.weight": (cfg.hidden_dim, E), q + "ffn.lin1.bias": (cfg.hidden_dim,),
-                       q + "ffn.lin2.weight": (E, cfg.hidden_dim), q + "ffn.lin2.bias": (E,),
-                       q + "output_layer_norm.weight": (E,), q + "output_layer_norm.bias": (E,)})
+        shapes.update(
+            {
+                q + "sa_layer_norm.weight": (E,),
+                q + "sa_layer_norm.bias": (E,),
+                q + "ffn.lin1.weight": (cfg.hidden_dim, E),
+                q + "ffn.lin1.bias": (cfg.hidden_dim,),
+                q + "ffn.lin2.weight": (E, cfg.hidden_dim),
+                q + "ffn.lin2.bias": (E,),
+                q + "output_layer_norm.weight": (E,),
+                q + "output_layer_norm.bias": (E,),
+            }
+        )
     if head:
-        shapes.update({"pre_classifier.weight": (E, E), "pre_classifier.bias": (E,),
-                       "classifier.weight": (cfg.num_labels, E), "classifier.bias": (cfg.num_labels,)})
+        shapes.update(
+            {
+                "pre_classifier.weight": (E, E),
+                "pre_classifier.bias": (E,),
+                "classifier.weight": (cfg.num_labels, E),
+                "classifier.bias": (cfg.num_labels,),
+            }
+        )
     return shapes
 
 
@@ -127,8 +152,9 @@ def init_head(cfg: DistilBertConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return init_weights(cfg, seed, head_only=True)
 
 
-def load_distilbert_checkpoint(path: str | os.PathLike, cfg: DistilBertConfig | None = None,
-                               num_labels: int | None = None) -> tuple[DistilBertConfig, dict[str, np.ndarray], bool]:
+def load_distilbert_checkpoint(
+    path: str | os.PathLike, cfg: DistilBertConfig | None = None, num_labels: int | None = None
+) -> tuple[DistilBertConfig, dict[str, np.ndarray], bool]:
     """Load HF DistilBERT weights strictly.
 
     Args:
@@ -141,8 +167,11 @@ def load_distilbert_checkpoint(path: str | os.PathLike, cfg: DistilBertConfig | 
         caller adds ``init_head(cfg)`` explicitly.
     """
     path = Path(path)
-    wpath = path if path.is_file() else next((path / n for n in ("model.safetensors", "pytorch_model.bin")
-                                              if (path / n).is_file()), None)
+    wpath = (
+        path
+        if path.is_file()
+        else next((path / n for n in ("model.safetensors", "pytorch_model.bin") if (path / n).is_file()), None)
+    )
     if wpath is None:
         raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin in this folder")
     if cfg is None:
@@ -165,5 +194,14 @@ def attention_scale(cfg: DistilBertConfig) -> float:
     return (cfg.dim // cfg.n_heads) ** -0.5 if cfg.dim // cfg.n_heads else math.nan
 
 
-__all__ = ["DistilBertConfig", "HEAD_KEYS", "MLM_HEAD_KEYS", "PRESETS", "attention_scale", "base_shapes", "init_head",
-           "init_weights", "load_distilbert_checkpoint"]
+__all__ = [
+    "DistilBertConfig",
+    "HEAD_KEYS",
+    "MLM_HEAD_KEYS",
+    "PRESETS",
+    "attention_scale",
+    "base_shapes",
+    "init_head",
+    "init_weights",
+    "load_distilbert_checkpoint",
+]

@@ -78,8 +78,10 @@ def plan(model, config, describe, match_prefix: str = "") -> Injection:
     nothing), without touching the model."""
     cfg = as_target_config(config)
     if injection_of(model) is not None:
-        raise TargetError(f"{type(model).__name__} already has injected LoRA ({len(injection_of(model).plans)} "
-                          f"modules); inject once per model")
+        raise TargetError(
+            f"{type(model).__name__} already has injected LoRA ({len(injection_of(model).plans)} "
+            f"modules); inject once per model"
+        )
     plans = plan_injection({n: describe(m) for n, m in model.named_modules()}, cfg, match_prefix)
     return Injection(cfg, plans, match_prefix)
 
@@ -101,4 +103,14 @@ def inject(model, config, describe, replace, b_std: float = 0.0, match_prefix: s
     return apply(model, plan(model, config, describe, match_prefix), replace, b_std)
 
 
-__all__ = ["Injection", "RECORD", "apply", "as_target_config", "inject", "injection_of", "plan", "record_of", "require_injection"]
+__all__ = [
+    "Injection",
+    "RECORD",
+    "apply",
+    "as_target_config",
+    "inject",
+    "injection_of",
+    "plan",
+    "record_of",
+    "require_injection",
+]

@@ -31,18 +31,40 @@ KEY_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the
 # peft LoraConfig fields that change what the adapter computes and that we do not implement:
 # refused when set to anything but their "off" value.
 UNSUPPORTED = {
-    "use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "LoRA bias on lora_B",
-    "layers_to_transform": "layers_to_transform", "layers_pattern": "layers_pattern",
-    "layer_replication": "layer replication", "target_parameters": "target_parameters (LoRA on nn.Parameter)",
-    "trainable_token_indices": "trainable tokens", "use_qalora": "QA-LoRA", "megatron_config": "Megatron layers",
-    "alora_invocation_tokens": "activated LoRA (aLoRA)", "arrow_config": "Arrow routing",
-    "exclude_modules": "exclude_modules", "loftq_config": "LoftQ", "use_bdlora": "BD-LoRA",
-    "corda_config": "CorDA", "eva_config": "EVA", "modules_to_tie": "modules_to_tie",
-    "kasa_config": "KaSA", "lora_ga_config": "LoRA-GA", "monteclora_config": "MonteCLoRA", "velora_config": "VeLoRA",
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "lora_bias": "LoRA bias on lora_B",
+    "layers_to_transform": "layers_to_transform",
+    "layers_pattern": "layers_pattern",
+    "layer_replication": "layer replication",
+    "target_parameters": "target_parameters (LoRA on nn.Parameter)",
+    "trainable_token_indices": "trainable tokens",
+    "use_qalora": "QA-LoRA",
+    "megatron_config": "Megatron layers",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "arrow_config": "Arrow routing",
+    "exclude_modules": "exclude_modules",
+    "loftq_config": "LoftQ",
+    "use_bdlora": "BD-LoRA",
+    "corda_config": "CorDA",
+    "eva_config": "EVA",
+    "modules_to_tie": "modules_to_tie",
+    "kasa_config": "KaSA",
+    "lora_ga_config": "LoRA-GA",
+    "monteclora_config": "MonteCLoRA",
+    "velora_config": "VeLoRA",
 }
 # Fields that only describe the adapter (provenance, bookkeeping): read and not needed.
-METADATA = ("base_model_name_or_path", "revision", "task_type", "inference_mode", "auto_mapping", "peft_version",
-            "qalora_group_size", "megatron_core", "ensure_weight_tying")
+METADATA = (
+    "base_model_name_or_path",
+    "revision",
+    "task_type",
+    "inference_mode",
+    "auto_mapping",
+    "peft_version",
+    "qalora_group_size",
+    "megatron_core",
+    "ensure_weight_tying",
+)
 # init_lora_weights values that only choose the initial lora_A/lora_B (loaded values replace them);
 # the others (pissa, olora, corda, loftq, eva, orthogonal...) also change the base weights.
 _PLAIN_INITS = (True, False, "gaussian")
@@ -64,9 +86,24 @@ def config_from_peft(meta: dict, path) -> LoRATargetConfig:
     if meta.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type {meta.get('peft_type')!r} is not supported (only LORA)")
     refused = [f"{UNSUPPORTED[k]} ({k}={v!r})" for k, v in meta.items() if k in UNSUPPORTED and _is_set(v)]
-    known = set(UNSUPPORTED) | set(METADATA) | {"peft_type", "r", "lora_alpha", "target_modules", "rank_pattern",
-                                                "alpha_pattern", "lora_dropout", "bias", "modules_to_save",
-                                                "fan_in_fan_out", "use_rslora", "init_lora_weights"}
+    known = (
+        set(UNSUPPORTED)
+        | set(METADATA)
+        | {
+            "peft_type",
+            "r",
+            "lora_alpha",
+            "target_modules",
+            "rank_pattern",
+            "alpha_pattern",
+            "lora_dropout",
+            "bias",
+            "modules_to_save",
+            "fan_in_fan_out",
+            "use_rslora",
+            "init_lora_weights",
+        }
+    )
     refused += [f"unknown field {k}={v!r}" for k, v in meta.items() if k not in known and _is_set(v)]
     if meta.get("init_lora_weights", True) not in _PLAIN_INITS:
         refused.append(f"init_lora_weights={meta['init_lora_weights']!r} (changes the base weights)")
@@ -79,16 +116,27 @@ def config_from_peft(meta: dict, path) -> LoRATargetConfig:
     targets = meta["target_modules"]
     try:
         return LoRATargetConfig(
-            r=meta["r"], alpha=meta["lora_alpha"], target_modules=targets if isinstance(targets, str) else tuple(targets),
-            rank_pattern=dict(meta.get("rank_pattern") or {}), alpha_pattern=dict(meta.get("alpha_pattern") or {}),
-            dropout=meta.get("lora_dropout", 0.0), bias=meta.get("bias", "none"),
-            modules_to_save=tuple(meta.get("modules_to_save") or ()), use_rslora=bool(meta.get("use_rslora", False)))
+            r=meta["r"],
+            alpha=meta["lora_alpha"],
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            rank_pattern=dict(meta.get("rank_pattern") or {}),
+            alpha_pattern=dict(meta.get("alpha_pattern") or {}),
+            dropout=meta.get("lora_dropout", 0.0),
+            bias=meta.get("bias", "none"),
+            modules_to_save=tuple(meta.get("modules_to_save") or ()),
+            use_rslora=bool(meta.get("use_rslora", False)),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: not a valid peft LoRA config ({type(e).__name__}: {e})") from e
 
 
-def config_to_peft(cfg: LoRATargetConfig, plans: dict[str, LayerPlan], module_prefix: str = "",
-                   base_model_name_or_path: str | None = None, task_type: str | None = None) -> dict:
+def config_to_peft(
+    cfg: LoRATargetConfig,
+    plans: dict[str, LayerPlan],
+    module_prefix: str = "",
+    base_model_name_or_path: str | None = None,
+    task_type: str | None = None,
+) -> dict:
     """``adapter_config.json`` for ``peft.PeftModel.from_pretrained``.
 
     ``fan_in_fan_out`` is True when a Conv1D layer is adapted (what peft sets for GPT-2).
@@ -106,17 +154,31 @@ def config_to_peft(cfg: LoRATargetConfig, plans: dict[str, LayerPlan], module_pr
             continue
         clash = [p for p in (*rank_pattern, *alpha_pattern) if re.match(rf"(.*\.)?({p})$", name)]
         if clash:
-            raise ValueError(f"{name}: per-slice LoRA and rank/alpha patterns {clash} on the same module have no peft form")
+            raise ValueError(
+                f"{name}: per-slice LoRA and rank/alpha patterns {clash} on the same module have no peft form"
+            )
         r_whole = plan.r * sum(plan.enable)
         rank_pattern[re.escape(name)] = r_whole
         alpha_pattern[re.escape(name)] = plan.scaling * (math.sqrt(r_whole) if cfg.use_rslora else r_whole)
     return {
-        "peft_type": "LORA", "r": cfg.r, "lora_alpha": cfg.alpha, "target_modules": targets,
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-        "lora_dropout": cfg.dropout, "bias": cfg.bias, "modules_to_save": list(cfg.modules_to_save) or None,
-        "fan_in_fan_out": any(p.kind == "conv1d" for p in plans.values()), "use_rslora": cfg.use_rslora,
-        "use_dora": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
-        "layers_pattern": None, "base_model_name_or_path": base_model_name_or_path, "task_type": task_type,
+        "peft_type": "LORA",
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "target_modules": targets,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "lora_dropout": cfg.dropout,
+        "bias": cfg.bias,
+        "modules_to_save": list(cfg.modules_to_save) or None,
+        "fan_in_fan_out": any(p.kind == "conv1d" for p in plans.values()),
+        "use_rslora": cfg.use_rslora,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "task_type": task_type,
     }
 
 
@@ -127,12 +189,13 @@ def sliced_as_whole(plan: LayerPlan, B: np.ndarray) -> np.ndarray:
     o, r = plan.out_features // len(plan.enable), plan.r
     whole = np.zeros((plan.out_features, r * sum(plan.enable)), dtype=B.dtype)
     for j, i in enumerate(i for i, on in enumerate(plan.enable) if on):
-        whole[i * o:(i + 1) * o, j * r:(j + 1) * r] = B[j * o:(j + 1) * o]
+        whole[i * o : (i + 1) * o, j * r : (j + 1) * r] = B[j * o : (j + 1) * o]
     return whole
 
 
-def tensors_to_peft(tensors: dict[str, np.ndarray], plans: dict[str, LayerPlan], module_prefix: str = ""
-                    ) -> dict[str, np.ndarray]:
+def tensors_to_peft(
+    tensors: dict[str, np.ndarray], plans: dict[str, LayerPlan], module_prefix: str = ""
+) -> dict[str, np.ndarray]:
     """Canonical adapter tensors -> peft's keys (per-slice ``lora_B`` made whole)."""
     out = {}
     for name, v in tensors.items():
@@ -160,5 +223,15 @@ def _is_set(v) -> bool:
     return v not in (None, False, "", [], {}, ())
 
 
-__all__ = ["KEY_PREFIX", "PEFT_CONFIG", "PEFT_WEIGHTS", "UNSUPPORTED", "config_from_peft", "config_to_peft",
-           "is_peft_config", "peft_key", "sliced_as_whole", "tensors_to_peft"]
+__all__ = [
+    "KEY_PREFIX",
+    "PEFT_CONFIG",
+    "PEFT_WEIGHTS",
+    "UNSUPPORTED",
+    "config_from_peft",
+    "config_to_peft",
+    "is_peft_config",
+    "peft_key",
+    "sliced_as_whole",
+    "tensors_to_peft",
+]

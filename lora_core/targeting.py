@@ -79,14 +79,18 @@ class LoRATargetConfig:
         if self.bias not in _BIAS_MODES:
             raise ValueError(f"LoRATargetConfig.bias must be one of {_BIAS_MODES}, got {self.bias!r}")
         targets = self.target_modules if isinstance(self.target_modules, str) else tuple(self.target_modules)
-        if not targets or not all(isinstance(t, str) and t for t in ((targets,) if isinstance(targets, str) else targets)):
+        if not targets or not all(
+            isinstance(t, str) and t for t in ((targets,) if isinstance(targets, str) else targets)
+        ):
             raise ValueError(f"LoRATargetConfig.target_modules must be non-empty, got {self.target_modules!r}")
         if isinstance(targets, str):
             _check_regex("target_modules", targets)
         object.__setattr__(self, "target_modules", targets)
         object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
-        for name, pattern_map, check in (("rank_pattern", self.rank_pattern, lambda v: _check_int("rank_pattern value", v, 1)),
-                                         ("alpha_pattern", self.alpha_pattern, lambda v: _check_number("alpha_pattern value", v))):
+        for name, pattern_map, check in (
+            ("rank_pattern", self.rank_pattern, lambda v: _check_int("rank_pattern value", v, 1)),
+            ("alpha_pattern", self.alpha_pattern, lambda v: _check_number("alpha_pattern value", v)),
+        ):
             for p, v in pattern_map.items():
                 _check_regex(name, p)
                 check(v)
@@ -95,7 +99,9 @@ class LoRATargetConfig:
             _check_regex("fused_slices", p)
             el = tuple(enable)
             if len(el) < 2 or not all(isinstance(b, bool) for b in el) or not any(el):
-                raise ValueError(f"LoRATargetConfig.fused_slices[{p!r}] must be >= 2 booleans with one True, got {enable!r}")
+                raise ValueError(
+                    f"LoRATargetConfig.fused_slices[{p!r}] must be >= 2 booleans with one True, got {enable!r}"
+                )
             slices[p] = el
         object.__setattr__(self, "fused_slices", slices)
 
@@ -122,8 +128,15 @@ class LoRATargetConfig:
         """The same adaptation as GPT-2's ``LoRAConfig`` (its targets are dotted suffixes;
         ``enable_lora`` becomes the per-slice form of ``c_attn``)."""
         slices = {"attn.c_attn": lora.enable_lora} if lora.enable_lora is not None else {}
-        return cls(r=lora.r, alpha=lora.alpha, target_modules=lora.target_modules, dropout=lora.dropout,
-                   bias=lora.bias, fused_slices=slices, seed=lora.seed)
+        return cls(
+            r=lora.r,
+            alpha=lora.alpha,
+            target_modules=lora.target_modules,
+            dropout=lora.dropout,
+            bias=lora.bias,
+            fused_slices=slices,
+            seed=lora.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -171,8 +184,9 @@ def _excluded_by_save(name: str, modules_to_save: tuple[str, ...]) -> bool:
     return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in modules_to_save)
 
 
-def plan_injection(modules: dict[str, tuple[str | None, int, int] | str], cfg: LoRATargetConfig,
-                   match_prefix: str = "") -> dict[str, LayerPlan]:
+def plan_injection(
+    modules: dict[str, tuple[str | None, int, int] | str], cfg: LoRATargetConfig, match_prefix: str = ""
+) -> dict[str, LayerPlan]:
     """Which modules get LoRA, in the order of ``modules``.
 
     Args:
@@ -198,8 +212,10 @@ def plan_injection(modules: dict[str, tuple[str | None, int, int] | str], cfg: L
         kind, fin, fout = info
         plans[name] = _layer_plan(name, full, kind, fin, fout, cfg)
     if unsupported:
-        raise TargetError(f"LoRA target modules of a kind LoRA cannot adapt (supported: nn.Linear, GPT-2 Conv1D, "
-                          f"nn.Embedding): {unsupported}")
+        raise TargetError(
+            f"LoRA target modules of a kind LoRA cannot adapt (supported: nn.Linear, GPT-2 Conv1D, "
+            f"nn.Embedding): {unsupported}"
+        )
     unmatched = _unmatched_patterns([match_prefix + n for n in modules if n], [match_prefix + n for n in plans], cfg)
     if unmatched:
         raise TargetError(f"LoRA config patterns that matched no module of the model: {unmatched}")
@@ -227,8 +243,11 @@ def _unmatched_patterns(names: list[str], plans: list[str], cfg: LoRATargetConfi
             out.append(f"target_modules {cfg.target_modules!r}")
     else:
         out += [f"target_modules {t!r}" for t in cfg.target_modules if not any(matches_target(n, (t,)) for n in names)]
-    for label, patterns in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern),
-                            ("fused_slices", cfg.fused_slices)):
+    for label, patterns in (
+        ("rank_pattern", cfg.rank_pattern),
+        ("alpha_pattern", cfg.alpha_pattern),
+        ("fused_slices", cfg.fused_slices),
+    ):
         out += [f"{label} {p!r}" for p in patterns if not any(pattern_key((p,), n) for n in plans)]
     out += [f"modules_to_save {m!r}" for m in cfg.modules_to_save if not any(n.endswith(m) for n in names)]
     return out
@@ -296,5 +315,15 @@ def _check_regex(what: str, p) -> None:
         raise ValueError(f"LoRATargetConfig.{what}: {p!r} is not a valid regex ({e})") from e
 
 
-__all__ = ["LAYER_KINDS", "LayerPlan", "LoRATargetConfig", "TargetError", "init_lora_arrays", "is_saved_module",
-           "matches_target", "pattern_key", "plan_injection", "trainable_names"]
+__all__ = [
+    "LAYER_KINDS",
+    "LayerPlan",
+    "LoRATargetConfig",
+    "TargetError",
+    "init_lora_arrays",
+    "is_saved_module",
+    "matches_target",
+    "pattern_key",
+    "plan_injection",
+    "trainable_names",
+]

@@ -61,8 +61,16 @@ def _run(name, steps, base, cfg, batches, dropout: bool):
     bk = lc.get_backend(name)
     model = bk.DistilBertForSequenceClassification(cfg)
     model.load_weights(base)
-    bk.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), dropout=0.1 if dropout else 0.0,
-                                              modules_to_save=("classifier",)))
+    bk.inject_lora(
+        model,
+        lc.LoRATargetConfig(
+            r=4,
+            alpha=8,
+            target_modules=("q_lin", "v_lin"),
+            dropout=0.1 if dropout else 0.0,
+            modules_to_save=("classifier",),
+        ),
+    )
     source = NumpyDropout(seed=11)
     set_dropout_source(model, source)
     opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig(weight_decay=0.01))

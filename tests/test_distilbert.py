@@ -30,8 +30,16 @@ def hf_dirs(tmp_path_factory):
             p.add_(torch.randn_like(p) * 0.1)
     root = tmp_path_factory.mktemp("distilbert")
     hf.save_pretrained(root / "base")
-    theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"], modules_to_save=["classifier"], init_lora_weights=False)).eval()
+    theirs = peft.get_peft_model(
+        copy.deepcopy(hf),
+        peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_lin", "v_lin"],
+            modules_to_save=["classifier"],
+            init_lora_weights=False,
+        ),
+    ).eval()
     with torch.no_grad():
         for n, p in theirs.named_parameters():
             if "modules_to_save" in n:
@@ -53,6 +61,7 @@ def _arr(backend, a):
     if backend.NAME == "torch":
         return torch.from_numpy(a)
     import jittor as jt
+
     return jt.array(a)
 
 
@@ -71,11 +80,18 @@ def test_logits_match_transformers(backend, hf_dirs):
     ours = backend.distilbert_from_pretrained(root / "base")
     ours.eval()
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in hf.named_parameters()]
-    assert_close(f"{backend.NAME} DistilBERT vs transformers logits (padded)", _ours(backend, ours), _hf(hf), 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} DistilBERT vs transformers logits (padded)", _ours(backend, ours), _hf(hf), 1e-5, floor=1.0
+    )
     ids, _ = _batch()
     no_mask = hf(input_ids=torch.from_numpy(ids)).logits
-    assert_close(f"{backend.NAME} DistilBERT vs transformers logits (no mask)", _ours(backend, ours, False), no_mask,
-                 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} DistilBERT vs transformers logits (no mask)",
+        _ours(backend, ours, False),
+        no_mask,
+        1e-5,
+        floor=1.0,
+    )
     assert np.abs(to_numpy(no_mask) - to_numpy(_hf(hf))).max() > 1e-3  # the mask matters
 
 
@@ -98,6 +114,7 @@ def _grads(backend, model):
         loss.backward()
         return to_numpy(logits), {n: to_numpy(p.grad) for n, p in params.items()}
     import jittor as jt
+
     return to_numpy(logits), {n: to_numpy(g) for n, g in zip(params, jt.grad(loss, list(params.values())))}
 
 
@@ -113,7 +130,9 @@ def test_jittor_matches_torch(hf_dirs):
     assert_close("DistilBERT jittor vs torch logits", lj, lt, 1e-5, floor=1.0)
     assert set(gt) == set(gj) and len(gt) == 12
     for n in gt:
-        assert_close(f"DistilBERT jittor vs torch grad {n.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[-1]}", gj[n], gt[n], 1e-4)
+        assert_close(
+            f"DistilBERT jittor vs torch grad {n.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[-1]}", gj[n], gt[n], 1e-4
+        )
 
 
 def test_strict_loading(hf_dirs, tmp_path):
@@ -126,12 +145,22 @@ def test_strict_loading(hf_dirs, tmp_path):
     assert not has_head and not set(MLM_HEAD_KEYS) & set(tensors) and cfg.num_labels == 3
     model = lc.get_backend("torch").distilbert_from_pretrained(tmp_path / "mlm")
     assert model.classifier.weight.shape == (3, 32)
+    # the same weights as a pytorch_model.bin (torch.save) load identically
+    (tmp_path / "bin").mkdir()
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text((root / "base" / "config.json").read_text())
+    _, from_bin, _ = load_distilbert_checkpoint(tmp_path / "bin")
+    _, from_st, _ = load_distilbert_checkpoint(root / "base")
+    assert from_bin.keys() == from_st.keys() and all(np.array_equal(from_bin[k], from_st[k]) for k in from_st)
     # a missing encoder key is an error naming the file and the key
     from safetensors.numpy import load_file, save_file
+
     w = load_file(root / "base" / "model.safetensors")
     del w["distilbert.transformer.layer.1.ffn.lin2.bias"]
     (tmp_path / "cut").mkdir()
     save_file(w, tmp_path / "cut" / "model.safetensors")
     (tmp_path / "cut" / "config.json").write_text((root / "base" / "config.json").read_text())
-    with pytest.raises(lc.CheckpointError, match=r"(?s)cut/model.safetensors.*missing keys \(1\).*layer.1.ffn.lin2.bias"):
+    with pytest.raises(
+        lc.CheckpointError, match=r"(?s)cut/model.safetensors.*missing keys \(1\).*layer.1.ffn.lin2.bias"
+    ):
         load_distilbert_checkpoint(tmp_path / "cut")

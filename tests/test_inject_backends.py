@@ -26,14 +26,22 @@ TARGETS = ["c_attn", "c_proj", "c_fc"]
 @pytest.fixture(scope="module")
 def gpt2_dirs(tmp_path_factory):
     """A tiny random HF GPT-2 saved with save_pretrained, and a peft adapter on it (random A, B)."""
-    hf_cfg = transformers.GPT2Config(vocab_size=150, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=150, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(7)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     root = tmp_path_factory.mktemp("inject")
     hf.save_pretrained(root / "base")
-    pcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, fan_in_fan_out=True, init_lora_weights=False,
-                           rank_pattern={"c_fc": 2}, bias="lora_only")
+    pcfg = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=TARGETS,
+        fan_in_fan_out=True,
+        init_lora_weights=False,
+        rank_pattern={"c_fc": 2},
+        bias="lora_only",
+    )
     theirs = peft.get_peft_model(copy.deepcopy(hf), pcfg).eval()
     with torch.no_grad():
         for n, p in theirs.named_parameters():
@@ -59,6 +67,7 @@ def backend_array(backend, a):
     if backend.NAME == "torch":
         return torch.from_numpy(a)
     import jittor as jt
+
     return jt.array(a)
 
 
@@ -71,12 +80,18 @@ def test_peft_folder_loads_into_our_gpt2(backend, gpt2_dirs):
     _, theirs, root = gpt2_dirs
     ours = backend.from_pretrained(root / "base", adapter=root / "peft")
     ours.eval()
-    assert set(ours.lora_injection.plans) == {f"h.{i}.{m}" for i in range(2) for m in
-                                              ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert set(ours.lora_injection.plans) == {
+        f"h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
     _, mask = _ids()  # compare the real tokens (padded positions are not defined the same way)
     live = to_numpy(_hf_logits(theirs)) * mask[..., None]
-    assert_close(f"{backend.NAME} peft folder -> our GPT-2 logits",
-                 to_numpy(_our_logits(backend, ours)) * mask[..., None], live, 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} peft folder -> our GPT-2 logits",
+        to_numpy(_our_logits(backend, ours)) * mask[..., None],
+        live,
+        1e-5,
+        floor=1.0,
+    )
     with theirs.disable_adapter():  # the adapter does change the logits
         assert np.abs(to_numpy(_hf_logits(theirs)) * mask[..., None] - live).max() > 1e-2
 
@@ -93,8 +108,13 @@ def test_our_peft_save_loads_into_peft(backend, gpt2_dirs, tmp_path):
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
     ours.eval()
     ids, mask = _ids()
-    assert_close(f"{backend.NAME} our peft save -> peft logits", to_numpy(_our_logits(backend, ours)) * mask[..., None],
-                 to_numpy(_hf_logits(theirs)) * mask[..., None], 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} our peft save -> peft logits",
+        to_numpy(_our_logits(backend, ours)) * mask[..., None],
+        to_numpy(_hf_logits(theirs)) * mask[..., None],
+        1e-5,
+        floor=1.0,
+    )
 
 
 def _assign(backend, p, value):
@@ -105,6 +125,7 @@ def _assign(backend, p, value):
         import jittor as jt
 
         from backends.jittor.lora import assign_keep_grad
+
         assign_keep_grad(p, jt.array(value))
 
 
@@ -117,6 +138,7 @@ def _loss_grads(backend, model):
         loss.backward()
         return to_numpy(logits), {n: to_numpy(p.grad) for n, p in params.items()}
     import jittor as jt
+
     grads = jt.grad(loss, list(params.values()))
     return to_numpy(logits), {n: to_numpy(g) for n, g in zip(params, grads)}
 
@@ -152,7 +174,9 @@ def test_gpt2_lora_config_injected_equals_built_in(backend):
     assert set(values) == set(lc.lora_shapes(cfg, lora))
     built = backend.build_model(cfg, lora, base, values)
     ids = backend_array(backend, rng.integers(0, cfg.vocab_size, (2, 6)))
-    assert_close(f"{backend.NAME} injected GPT-2 LoRAConfig vs built-in", injected(ids)[0], built(ids)[0], 1e-6, floor=1.0)
+    assert_close(
+        f"{backend.NAME} injected GPT-2 LoRAConfig vs built-in", injected(ids)[0], built(ids)[0], 1e-6, floor=1.0
+    )
 
 
 def test_any_jittor_module_vs_reference():
@@ -180,7 +204,9 @@ def test_any_jittor_module_vs_reference():
             bj.lora.assign_keep_grad(v, jt.array(p[n]))
     ids = rng.integers(0, 20, (3, 5))
     h = ref.lora_embedding(ids, p["emb.weight"], p["emb.lora_A"], p["emb.lora_B"], 2.0)
-    h = np.maximum(ref.lora_linear(h, p["body.0.weight"], p["body.0.bias"], p["body.0.lora_A"], p["body.0.lora_B"], 2.0), 0)
+    h = np.maximum(
+        ref.lora_linear(h, p["body.0.weight"], p["body.0.bias"], p["body.0.lora_A"], p["body.0.lora_B"], 2.0), 0
+    )
     y = ref.lora_linear(h, p["body.2.weight"], p["body.2.bias"], p["body.2.lora_A"], p["body.2.lora_B"], 4 / 3)
     assert_close("jittor inject: any module vs numpy reference", net(jt.array(ids)), y, 1e-5)
     assert sorted(bj.trainable_parameters(net)) == sorted(n for n in p if "lora_" in n)
@@ -203,9 +229,61 @@ def test_paper_qv_adapter_exports_to_peft_exactly(backend, gpt2_dirs, tmp_path):
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
     _, mask = _ids()
     mine = to_numpy(_our_logits(backend, ours)) * mask[..., None]
-    assert_close(f"{backend.NAME} paper q,v adapter -> peft logits", mine, to_numpy(_hf_logits(theirs)) * mask[..., None],
-                 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} paper q,v adapter -> peft logits",
+        mine,
+        to_numpy(_hf_logits(theirs)) * mask[..., None],
+        1e-5,
+        floor=1.0,
+    )
     back = backend.from_pretrained(root / "base", adapter=tmp_path)
     back.eval()
-    assert_close(f"{backend.NAME} paper q,v adapter -> peft -> ours logits",
-                 to_numpy(_our_logits(backend, back)) * mask[..., None], mine, 1e-5, floor=1.0)
+    assert_close(
+        f"{backend.NAME} paper q,v adapter -> peft -> ours logits",
+        to_numpy(_our_logits(backend, back)) * mask[..., None],
+        mine,
+        1e-5,
+        floor=1.0,
+    )
+
+
+@pytest.mark.parametrize("enable", [None, (True, False, True)])
+def test_conv1d_layers_vs_reference(backend, enable):
+    """GPT-2 Conv1D layout (weight (in, out)) with LoRA, whole and per-slice: outputs, merge."""
+    import importlib
+
+    mod = importlib.import_module(f"backends.{backend.NAME}.inject")
+    cls = mod.LoRAConv1D if enable is None else mod.LoRAMergedConv1D
+    args = (8, 12, 2, 4.0, 0.0) if enable is None else (8, 12, 2, 4.0, 0.0, enable)
+    layer = cls(*args)
+    rng = np.random.default_rng(0)
+    W, b = rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=12).astype(np.float32)
+    A = rng.normal(size=tuple(layer.lora_A.shape)).astype(np.float32)
+    B = rng.normal(size=tuple(layer.lora_B.shape)).astype(np.float32)
+    layer.weight, layer.bias = _param(backend, W), _param(backend, b)
+    layer.lora_A, layer.lora_B = _param(backend, A), _param(backend, B)
+    x = rng.normal(size=(3, 8)).astype(np.float32)
+    want = ref.lora_conv1d(x, W, b, A, B, 2.0, enable)
+    assert_close(
+        f"{backend.NAME} LoRAConv1D{'' if enable is None else ' per-slice'} vs reference",
+        layer(backend_array(backend, x)),
+        want,
+        1e-5,
+    )
+    layer.merge()
+    assert_close(
+        f"{backend.NAME} LoRAConv1D merged weight vs reference",
+        layer.weight,
+        ref.merge_conv1d(W, A, B, 2.0, enable),
+        1e-6,
+    )
+    layer.unmerge()
+    assert np.array_equal(to_numpy(layer.weight), W)
+
+
+def _param(backend, a):
+    if backend.NAME == "torch":
+        return torch.nn.Parameter(torch.from_numpy(a.copy()))
+    import jittor as jt
+
+    return jt.array(a)

@@ -25,19 +25,39 @@ def _gpt2():
 
 
 def _distilbert(dim=32):
-    return tf.DistilBertForSequenceClassification(tf.DistilBertConfig(
-        vocab_size=120, dim=dim, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=2))
+    return tf.DistilBertForSequenceClassification(
+        tf.DistilBertConfig(
+            vocab_size=120, dim=dim, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=2
+        )
+    )
 
 
 def _llama():
-    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    return tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=120,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 CASES = {  # name: (model factory, our config)
     "gpt2": (_gpt2, LoRATargetConfig(r=4, alpha=8, target_modules=("c_attn", "c_proj", "wte"), bias="lora_only")),
-    "distilbert": (_distilbert, LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"),
-                                                 modules_to_save=("classifier",), rank_pattern={r"layer\.1\.attention\.q_lin": 2})),
+    "distilbert": (
+        _distilbert,
+        LoRATargetConfig(
+            r=4,
+            alpha=8,
+            target_modules=("q_lin", "v_lin"),
+            modules_to_save=("classifier",),
+            rank_pattern={r"layer\.1\.attention\.q_lin": 2},
+        ),
+    ),
     "llama": (_llama, LoRATargetConfig(r=64, alpha=16, target_modules=LLAMA_TARGETS, use_rslora=True)),
 }
 
@@ -109,9 +129,15 @@ def test_peft_written_adapter_loads(name, tmp_path):
     torch.manual_seed(0)
     factory, cfg = CASES[name]
     base = factory().eval()
-    pcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules), bias=cfg.bias,
-                           modules_to_save=list(cfg.modules_to_save) or None, rank_pattern=cfg.rank_pattern,
-                           init_lora_weights=False)  # random B: a non-zero update
+    pcfg = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        target_modules=list(cfg.target_modules),
+        bias=cfg.bias,
+        modules_to_save=list(cfg.modules_to_save) or None,
+        rank_pattern=cfg.rank_pattern,
+        init_lora_weights=False,
+    )  # random B: a non-zero update
     theirs = peft.get_peft_model(copy.deepcopy(base), pcfg).eval()
     with torch.no_grad():  # trained-looking saved modules and biases
         for n, p in theirs.named_parameters():
@@ -120,8 +146,11 @@ def test_peft_written_adapter_loads(name, tmp_path):
     theirs.save_pretrained(tmp_path)
     ours = copy.deepcopy(base)
     adapted = bt.load_lora_adapter(ours, tmp_path)
-    assert set(adapted) == {n[len("base_model.model."):] for n, m in theirs.named_modules() if hasattr(m, "lora_A")
-                            and hasattr(m, "base_layer")}
+    assert set(adapted) == {
+        n[len("base_model.model.") :]
+        for n, m in theirs.named_modules()
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+    }
     assert_close(f"peft folder -> ours {name}: logits", _logits(ours), _logits(theirs), 1e-5)
 
 
@@ -161,11 +190,15 @@ def test_bad_inputs_name_the_problem(tmp_path):
     bt.save_lora_adapter(ours, tmp_path / "a", format="peft")
     # base shapes differ: a wider model; it is left unchanged
     wide = _distilbert(dim=48)
-    with pytest.raises(CheckpointError, match=r"(?s)adapter_model.safetensors.*shape mismatches \(11\).*q_lin.lora_A.weight: file \(4, 32\) != model \(4, 48\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)adapter_model.safetensors.*shape mismatches \(11\).*q_lin.lora_A.weight: file \(4, 32\) != model \(4, 48\)",
+    ):
         bt.load_lora_adapter(wide, tmp_path / "a")
     assert not hasattr(wide, "lora_injection") and not any("lora_" in n for n, _ in wide.named_parameters())
     # a missing LoRA key is an error, not a zero B
     from safetensors.numpy import load_file, save_file
+
     w = load_file(tmp_path / "a" / PEFT_WEIGHTS)
     del w[next(k for k in w if k.endswith("lora_B.weight"))]
     save_file(w, tmp_path / "a" / PEFT_WEIGHTS)

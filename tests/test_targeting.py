@@ -13,16 +13,26 @@ from lora_core.targeting import LoRATargetConfig, TargetError, init_lora_arrays,
 
 # module name -> (kind, in, out) or type name: a DistilBERT-like layout
 MODULES = {
-    "": "Model", "bert": "Bert", "bert.emb": ("embedding", 100, 32),
+    "": "Model",
+    "bert": "Bert",
+    "bert.emb": ("embedding", 100, 32),
     **{f"bert.layer.{i}.attention.{p}": ("linear", 32, 32) for i in range(2) for p in ("q_lin", "k_lin", "v_lin")},
-    "bert.layer.0.attention": "Attention", "pre_classifier": ("linear", 32, 32), "classifier": ("linear", 32, 2),
+    "bert.layer.0.attention": "Attention",
+    "pre_classifier": ("linear", 32, 32),
+    "classifier": ("linear", 32, 2),
 }
 PARAMS = [f"{m}.{leaf}" for m, info in MODULES.items() if isinstance(info, tuple) for leaf in ("weight", "bias")]
 
 
 def test_suffix_exact_and_regex_matching():
-    by_suffix = plan_injection(MODULES, LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "bert.layer.1.attention.v_lin")))
-    assert list(by_suffix) == ["bert.layer.0.attention.q_lin", "bert.layer.1.attention.q_lin", "bert.layer.1.attention.v_lin"]
+    by_suffix = plan_injection(
+        MODULES, LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "bert.layer.1.attention.v_lin"))
+    )
+    assert list(by_suffix) == [
+        "bert.layer.0.attention.q_lin",
+        "bert.layer.1.attention.q_lin",
+        "bert.layer.1.attention.v_lin",
+    ]
     by_regex = plan_injection(MODULES, LoRATargetConfig(target_modules=r"bert\.layer\.0\.attention\.(q|v)_lin"))
     assert list(by_regex) == ["bert.layer.0.attention.q_lin", "bert.layer.0.attention.v_lin"]
     # a regex must match the whole name (peft: re.fullmatch)
@@ -31,20 +41,28 @@ def test_suffix_exact_and_regex_matching():
 
 
 def test_rank_alpha_patterns_and_rslora():
-    cfg = LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), rank_pattern={r"layer\.1\.attention\.q_lin": 2},
-                           alpha_pattern={"v_lin": 16})
+    cfg = LoRATargetConfig(
+        r=4,
+        alpha=8,
+        target_modules=("q_lin", "v_lin"),
+        rank_pattern={r"layer\.1\.attention\.q_lin": 2},
+        alpha_pattern={"v_lin": 16},
+    )
     plans = plan_injection(MODULES, cfg)
     assert plans["bert.layer.1.attention.q_lin"].r == 2 and plans["bert.layer.0.attention.q_lin"].r == 4
     assert plans["bert.layer.0.attention.v_lin"].scaling == 16 / 4
-    assert plans["bert.layer.1.attention.q_lin"].shapes() == {"bert.layer.1.attention.q_lin.lora_A": (2, 32),
-                                                              "bert.layer.1.attention.q_lin.lora_B": (32, 2)}
+    assert plans["bert.layer.1.attention.q_lin"].shapes() == {
+        "bert.layer.1.attention.q_lin.lora_A": (2, 32),
+        "bert.layer.1.attention.q_lin.lora_B": (32, 2),
+    }
     rs = plan_injection(MODULES, LoRATargetConfig(r=16, alpha=8, target_modules=("q_lin",), use_rslora=True))
     assert rs["bert.layer.0.attention.q_lin"].scaling == ref.rslora_scaling(8, 16) == 2.0
 
 
 def test_every_unmatched_pattern_is_listed():
-    cfg = LoRATargetConfig(target_modules=("q_lin", "query", "value"), rank_pattern={"nothing": 2},
-                           modules_to_save=("score",))
+    cfg = LoRATargetConfig(
+        target_modules=("q_lin", "query", "value"), rank_pattern={"nothing": 2}, modules_to_save=("score",)
+    )
     with pytest.raises(TargetError) as e:
         plan_injection(MODULES, cfg)
     msg = str(e.value)
@@ -65,8 +83,13 @@ def test_modules_to_save_and_bias_follow_peft():
     plans = plan_injection(MODULES, cfg)
     assert list(plans) == ["bert.layer.0.attention.q_lin", "bert.layer.1.attention.q_lin"]
     names = trainable_names(PARAMS + [f"{m}.lora_{x}" for m in plans for x in "AB"], plans, cfg)
-    assert set(names) == {"pre_classifier.weight", "pre_classifier.bias", "classifier.weight", "classifier.bias",
-                          *(f"{m}.{leaf}" for m in plans for leaf in ("bias", "lora_A", "lora_B"))}
+    assert set(names) == {
+        "pre_classifier.weight",
+        "pre_classifier.bias",
+        "classifier.weight",
+        "classifier.bias",
+        *(f"{m}.{leaf}" for m in plans for leaf in ("bias", "lora_A", "lora_B")),
+    }
 
 
 def test_gpt2_config_keeps_per_slice_and_whole_forms():
@@ -75,12 +98,23 @@ def test_gpt2_config_keeps_per_slice_and_whole_forms():
     assert list(sliced) == ["h.0.attn.c_attn"] and sliced["h.0.attn.c_attn"].enable == (True, False, True)
     assert sliced["h.0.attn.c_attn"].shapes()["h.0.attn.c_attn.lora_B"] == (64, 4)
     whole = plan_injection(gpt2, LoRATargetConfig.from_gpt2(LoRAConfig(r=4, enable_lora=None)))
-    assert whole["h.0.attn.c_attn"].enable is None and whole["h.0.attn.c_attn"].shapes()["h.0.attn.c_attn.lora_B"] == (96, 4)
+    assert whole["h.0.attn.c_attn"].enable is None and whole["h.0.attn.c_attn"].shapes()["h.0.attn.c_attn.lora_B"] == (
+        96,
+        4,
+    )
 
 
 def test_config_round_trip_and_seeded_init():
-    cfg = LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin",), rank_pattern={"a": 2}, modules_to_save=("classifier",),
-                           fused_slices={"qkv": (True, False, True)}, dropout=0.1, bias="all")
+    cfg = LoRATargetConfig(
+        r=4,
+        alpha=8,
+        target_modules=("q_lin",),
+        rank_pattern={"a": 2},
+        modules_to_save=("classifier",),
+        fused_slices={"qkv": (True, False, True)},
+        dropout=0.1,
+        bias="all",
+    )
     assert LoRATargetConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown keys"):
         LoRATargetConfig.from_dict({**cfg.to_dict(), "rank": 4})
@@ -94,18 +128,36 @@ def test_config_round_trip_and_seeded_init():
 
 
 def _peft_meta(**over):
-    meta = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_lin"], "lora_dropout": 0.0,
-            "bias": "none", "modules_to_save": None, "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "layers_to_transform": None, "task_type": "SEQ_CLS"}
+    meta = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_lin"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "task_type": "SEQ_CLS",
+    }
     meta.update(over)
     return meta
 
 
-@pytest.mark.parametrize("over, named", [
-    ({"use_dora": True}, "DoRA"), ({"layers_to_transform": [0]}, "layers_to_transform"),
-    ({"peft_type": "IA3"}, "IA3"), ({"target_modules": None}, "target_modules is not set"),
-    ({"init_lora_weights": "pissa"}, "pissa"), ({"some_new_feature": 3}, "some_new_feature"),
-])
+@pytest.mark.parametrize(
+    "over, named",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"peft_type": "IA3"}, "IA3"),
+        ({"target_modules": None}, "target_modules is not set"),
+        ({"init_lora_weights": "pissa"}, "pissa"),
+        ({"some_new_feature": 3}, "some_new_feature"),
+    ],
+)
 def test_peft_config_refuses_by_name(over, named):
     with pytest.raises(ValueError, match=named) as e:
         config_from_peft(_peft_meta(**over), "x/adapter_config.json")
@@ -113,8 +165,16 @@ def test_peft_config_refuses_by_name(over, named):
 
 
 def test_peft_config_read_and_keys():
-    cfg = config_from_peft(_peft_meta(rank_pattern={"q_lin": 2}, use_rslora=True, modules_to_save=["classifier"],
-                                      fan_in_fan_out=True, base_model_name_or_path="x"), "p")
+    cfg = config_from_peft(
+        _peft_meta(
+            rank_pattern={"q_lin": 2},
+            use_rslora=True,
+            modules_to_save=["classifier"],
+            fan_in_fan_out=True,
+            base_model_name_or_path="x",
+        ),
+        "p",
+    )
     assert cfg.rank_pattern == {"q_lin": 2} and cfg.use_rslora and cfg.modules_to_save == ("classifier",)
     plans = plan_injection({**MODULES, "classifier": "Linear"}, cfg)
     meta = config_to_peft(cfg, plans)
@@ -137,9 +197,13 @@ def test_per_slice_layer_in_peft_form_is_exact():
     whole = sliced_as_whole(plan["m.qkv"], B)
     np.testing.assert_allclose(12.0 / 4 * whole @ A, ref.lora_delta(A, B, 3.0, 24, (True, False, True)), rtol=1e-12)
     with pytest.raises(ValueError, match="no peft form"):
-        config_to_peft(LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2}, fused_slices={"qkv": (True, True)}),
-                       plan_injection({"m.qkv": ("linear", 8, 24)}, LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2},
-                                                                                  fused_slices={"qkv": (True, True)})))
+        config_to_peft(
+            LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2}, fused_slices={"qkv": (True, True)}),
+            plan_injection(
+                {"m.qkv": ("linear", 8, 24)},
+                LoRATargetConfig(target_modules=("qkv",), rank_pattern={"qkv": 2}, fused_slices={"qkv": (True, True)}),
+            ),
+        )
 
 
 def test_reference_conv1d_is_transposed_linear():

@@ -141,8 +141,9 @@ class DistilBertForSequenceClassification(nn.Module):
         return {n: p.numpy().copy() for n, p in self.named_parameters()}
 
 
-def distilbert_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                               num_labels: int | None = None, head_seed: int = 0):
+def distilbert_from_pretrained(
+    path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0
+):
     """A DistilBERT classifier from HF weights, optionally with an adapter (ours or peft's)."""
     from .inject import load_lora_adapter
 

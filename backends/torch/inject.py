@@ -49,7 +49,11 @@ def _describe(m: nn.Module, adapted_ok: bool = False):
     if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
         return ("conv1d", m.weight.shape[0], m.weight.shape[1])
     if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
-        return ("embedding", *m.weight.shape) if isinstance(m, LoRAEmbedding) else ("linear", m.weight.shape[1], m.weight.shape[0])
+        return (
+            ("embedding", *m.weight.shape)
+            if isinstance(m, LoRAEmbedding)
+            else ("linear", m.weight.shape[1], m.weight.shape[0])
+        )
     if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
         return f"{type(m).__name__} already adapted (r={m.r})"
     if isinstance(m, LoRAEmbedding) or (isinstance(m, nn.Embedding) and m.max_norm is None):
@@ -113,8 +117,9 @@ def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def save_lora_adapter(model: nn.Module, path: str | os.PathLike, format: str = "lora_core",
-                      base: str | None = None) -> None:
+def save_lora_adapter(
+    model: nn.Module, path: str | os.PathLike, format: str = "lora_core", base: str | None = None
+) -> None:
     """Save the adapter of an injected model: ``format="lora_core"`` or ``"peft"`` (loadable
     by ``peft.PeftModel.from_pretrained`` on the matching ``transformers`` model)."""
     inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
@@ -146,5 +151,11 @@ def load_lora_adapter(model: nn.Module, path: str | os.PathLike) -> list[str]:
     return list(inj.plans)
 
 
-__all__ = ["LoRAConv1D", "LoRAMergedConv1D", "inject_lora", "load_lora_adapter", "mark_only_lora_trainable",
-           "save_lora_adapter"]
+__all__ = [
+    "LoRAConv1D",
+    "LoRAMergedConv1D",
+    "inject_lora",
+    "load_lora_adapter",
+    "mark_only_lora_trainable",
+    "save_lora_adapter",
+]
