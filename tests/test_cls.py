@@ -92,3 +92,55 @@ def test_200_steps_jittor_vs_torch_shared_dropout():
     assert lt[-20:].mean() < 0.95 * lt[:20].mean()  # it learns
     no_drop, _ = _run("torch", 20, base, cfg, batches, dropout=False)
     assert np.abs(no_drop - lt[:20]).max() > 1e-4  # the masks do act
+
+
+def test_prepare_and_evaluate_peft_adapter_both_backends(shared_dir, tmp_path):
+    """prepare -> evaluate with a peft adapter on a HF DistilBERT: dev accuracy and test
+    predictions of both backends equal those of transformers + peft."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from examples.cls import evaluate, prepare
+
+    src = shared_dir / "data" / "sst2"
+    (tmp_path / "sst2").mkdir()
+    for split, n in (("train", 20), ("dev", 60), ("test", 30)):
+        lines = (src / f"{split}.tsv").read_text(encoding="utf-8").split("\n")[: n + 1]
+        (tmp_path / "sst2" / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = prepare.prepare(
+        tmp_path / "sst2", shared_dir / "data" / "distilbert-vocab" / "vocab.txt", tmp_path / "enc"
+    )
+    assert summary["dev"]["n"] == 60 and summary["test"]["n"] == 30
+    torch.manual_seed(0)
+    hf = tf.DistilBertForSequenceClassification(
+        tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+    ).eval()
+    with torch.no_grad():  # larger weights: the first token's state depends on the sentence
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path / "base")
+    theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"],
+                                 modules_to_save=["classifier"], init_lora_weights=False)).eval()  # fmt: skip
+    ids, labels = prepare.read_prepared(tmp_path / "enc" / "dev.jsonl")
+
+    def logits():
+        with torch.no_grad():
+            return np.concatenate([theirs(**{k: torch.from_numpy(v) for k, v in cls_data.collate(ids[i : i + 16]).items()})
+                                   .logits.numpy() for i in range(0, len(ids), 16)])  # fmt: skip
+
+    diff = logits() @ np.array([-1.0, 1.0])
+    with torch.no_grad():  # centre the classifier's decision on this data: both classes predicted
+        theirs.base_model.model.classifier.modules_to_save["default"].bias[1] -= float(np.median(diff))
+    theirs.save_pretrained(tmp_path / "peft")
+    want = logits().argmax(-1)
+    assert 0 < want.sum() < len(want)  # both classes predicted: the comparison is not trivial
+    for name in ("torch", "jittor"):
+        m = evaluate.evaluate(name, tmp_path / "base", tmp_path / "peft", tmp_path / "enc", tmp_path / name)
+        assert m["dev_accuracy"] == cls_data.accuracy(want, labels) and m["dev_n"] == 60
+        got = np.loadtxt(tmp_path / name / "dev_predictions.tsv", skiprows=1, dtype=np.int64)[:, 1]
+        assert np.array_equal(got, want), name
+    assert (tmp_path / "torch" / "test_predictions.tsv").read_text() == (
+        tmp_path / "jittor" / "test_predictions.tsv"
+    ).read_text()
