@@ -189,6 +189,30 @@ def load_distilbert_checkpoint(
     return cfg, tensors, has_head
 
 
+def pack_indices(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Indices that let the model run its per-token layers on the real tokens only.
+
+    Args:
+        mask: (B, T) attention mask, 1 on real tokens (right padding: position 0 is real).
+
+    Returns:
+        ``None`` when nothing is padded, else ``(token_index, pad_index, cls_index)``:
+        ``token_index`` (N,) flat positions of the N real tokens; ``pad_index`` (B*T,) the
+        packed row of every position, N (an appended zero row) for padding; ``cls_index``
+        (B,) the packed row of each sequence's first token.
+    """
+    flat = np.asarray(mask).reshape(-1) != 0
+    if flat.all():
+        return None
+    B, T = np.asarray(mask).shape
+    token_index = np.flatnonzero(flat)
+    pad_index = np.where(flat, np.cumsum(flat) - 1, len(token_index))
+    cls_index = pad_index[np.arange(B) * T]
+    if (cls_index == len(token_index)).any():
+        raise ValueError("attention_mask: a sequence whose first token is padding (only right padding is supported)")
+    return token_index.astype(np.int64), pad_index.astype(np.int64), cls_index.astype(np.int64)
+
+
 def attention_scale(cfg: DistilBertConfig) -> float:
     """HF's ``attention_head_size ** -0.5``."""
     return (cfg.dim // cfg.n_heads) ** -0.5 if cfg.dim // cfg.n_heads else math.nan

@@ -51,8 +51,8 @@ def _batches(cfg, n_steps, B=8, seed=0):
     for _ in range(n_steps):
         lens = rng.integers(3, 12, B)
         labels = rng.integers(0, 2, B)
-        # learnable: label 1 sentences are made of the lower half of the vocabulary
-        ids = [[1, *rng.integers(5 + lab * 55, 60 + lab * 60, n - 2), 2] for n, lab in zip(lens, labels)]
+        # learnable: label 1 sentences are made of words 7 and 8, label 0 of words 9 and 10
+        ids = [[1, *rng.integers(9 - 2 * lab, 11 - 2 * lab, n - 2), 2] for n, lab in zip(lens, labels)]
         out.append(cls_data.collate(ids, labels.tolist()))
     return out
 
@@ -89,7 +89,7 @@ def test_200_steps_jittor_vs_torch_shared_dropout():
     lj, pj = _run("jittor", 200, base, cfg, batches, dropout=True)
     assert_close("DistilBERT LoRA 200 steps, shared dropout: loss jittor vs torch", lj, lt, 1e-4)
     assert np.array_equal(pj, pt)
-    assert lt[-20:].mean() < 0.95 * lt[:20].mean()  # it learns
+    assert lt[-20:].mean() < 0.5 * lt[:20].mean()  # it learns
     no_drop, _ = _run("torch", 20, base, cfg, batches, dropout=False)
     assert np.abs(no_drop - lt[:20]).max() > 1e-4  # the masks do act
 

@@ -11,7 +11,7 @@ import numpy as np
 from jittor import nn
 
 from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint
+from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint, pack_indices
 
 from ._kernels import bmm, bmm_nt, softmax_scaled
 from .lora import assign_keep_grad
@@ -30,6 +30,18 @@ class Dropout(nn.Dropout):
         return super().execute(x)
 
 
+class Packed:
+    """Index Vars of the real tokens of a padded batch (``lora_core.distilbert.pack_indices``)."""
+
+    def __init__(self, token_index, pad_index, cls_index):
+        self.token_index, self.pad_index, self.cls_index = (jt.array(a) for a in (token_index, pad_index, cls_index))
+
+    @staticmethod
+    def of(attention_mask: jt.Var) -> Packed | None:
+        found = pack_indices(attention_mask.numpy())
+        return None if found is None else Packed(*found)
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -37,8 +49,10 @@ class Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
         self.dropout = Dropout(cfg.dropout)
 
-    def execute(self, ids: jt.Var) -> jt.Var:
+    def execute(self, ids: jt.Var, packed: Packed | None = None) -> jt.Var:
         pos = jt.arange(ids.shape[1])
+        if packed is not None:  # (N,) real tokens
+            ids, pos = ids.reshape(-1)[packed.token_index], pos.repeat(ids.shape[0])[packed.token_index]
         return self.dropout(self.LayerNorm(self.word_embeddings(ids) + self.position_embeddings(pos)))
 
 
@@ -49,17 +63,22 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_lin, self.out_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
         self.dropout = Dropout(cfg.attention_dropout)
 
-    def execute(self, x: jt.Var, bias: jt.Var) -> jt.Var:
-        B, T, E = x.shape
+    def execute(self, x: jt.Var, bias: jt.Var, packed: Packed | None = None) -> jt.Var:
+        B, T, E = bias.shape[0], bias.shape[-1], x.shape[-1]
         nh, hs = self.n_heads, E // self.n_heads
 
-        def heads(t):  # (B, T, E) -> (B * nh, T, hs)
+        def heads(t):  # (B, T, E) or packed (N, E) -> (B * nh, T, hs)
+            if packed is not None:  # padding reads an appended zero row
+                t = jt.concat([t, jt.zeros((1, E), dtype=t.dtype)])[packed.pad_index]
             return t.reshape(B, T, nh, hs).transpose(0, 2, 1, 3).reshape(B * nh, T, hs)
 
         q, k, v = heads(self.q_lin(x)), heads(self.k_lin(x)), heads(self.v_lin(x))
         att = softmax_scaled(bmm_nt(q, k).reshape(B, nh, T, T), bias, self.scale)  # (B, nh, T, T)
         y = bmm(self.dropout(att).reshape(B * nh, T, T), v)  # (B * nh, T, hs)
-        return self.out_lin(y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, E))
+        y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, E)
+        if packed is not None:
+            y = y.reshape(B * T, E)[packed.token_index]  # (N, E)
+        return self.out_lin(y)
 
 
 class FFN(nn.Module):
@@ -78,8 +97,8 @@ class TransformerBlock(nn.Module):
         self.ffn = FFN(cfg)
         self.output_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
 
-    def execute(self, x: jt.Var, bias: jt.Var) -> jt.Var:
-        x = self.sa_layer_norm(self.attention(x, bias) + x)
+    def execute(self, x: jt.Var, bias: jt.Var, packed: Packed | None = None) -> jt.Var:
+        x = self.sa_layer_norm(self.attention(x, bias, packed) + x)
         return self.output_layer_norm(self.ffn(x) + x)
 
 
@@ -94,15 +113,30 @@ class DistilBertModel(nn.Module):
         self.transformer = Transformer(cfg)
 
     def execute(self, ids: jt.Var, attention_mask: jt.Var | None = None) -> jt.Var:
+        """Hidden states (B, T, E); with padding, its rows are zeros."""
+        h, packed = self._run(ids, attention_mask)
+        if packed is None:
+            return h
         B, T = ids.shape
-        if attention_mask is None:
+        return jt.concat([h, jt.zeros((1, h.shape[-1]), dtype=h.dtype)])[packed.pad_index].reshape(B, T, -1)
+
+    def first_token(self, ids: jt.Var, attention_mask: jt.Var | None = None) -> jt.Var:
+        """Hidden state of each sequence's first token, (B, E)."""
+        h, packed = self._run(ids, attention_mask)
+        return h[:, 0] if packed is None else h[packed.cls_index]
+
+    def _run(self, ids, attention_mask):
+        """Per-token layers on the real tokens only (packed (N, E)); attention padded."""
+        B, T = ids.shape
+        packed = None if attention_mask is None else Packed.of(attention_mask)
+        if packed is None:
             bias = jt.zeros((B, 1, T, T))
         else:
             bias = ((1.0 - attention_mask.float32()) * _NEG).reshape(B, 1, 1, T).broadcast((B, 1, T, T))
-        h = self.embeddings(ids)
+        h = self.embeddings(ids, packed)
         for block in self.transformer.layer:
-            h = block(h, bias)
-        return h  # (B, T, E)
+            h = block(h, bias, packed)
+        return h, packed
 
 
 class DistilBertForSequenceClassification(nn.Module):
@@ -126,7 +160,7 @@ class DistilBertForSequenceClassification(nn.Module):
         return self
 
     def execute(self, input_ids: jt.Var, attention_mask: jt.Var | None = None) -> jt.Var:
-        h = self.distilbert(input_ids, attention_mask)[:, 0]  # first token, (B, E)
+        h = self.distilbert.first_token(input_ids, attention_mask)  # (B, E)
         return self.classifier(self.dropout(nn.relu(self.pre_classifier(h))))
 
     def load_weights(self, tensors: dict) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint
+from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint, pack_indices
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
@@ -35,6 +35,20 @@ class Dropout(nn.Dropout):
         return super().forward(x)
 
 
+class Packed:
+    """Index tensors of the real tokens of a padded batch (``lora_core.distilbert.pack_indices``)."""
+
+    def __init__(self, token_index, pad_index, cls_index, device):
+        self.token_index, self.pad_index, self.cls_index = (
+            torch.from_numpy(a).to(device) for a in (token_index, pad_index, cls_index)
+        )
+
+    @staticmethod
+    def of(attention_mask: torch.Tensor) -> Packed | None:
+        found = pack_indices(attention_mask.cpu().numpy())
+        return None if found is None else Packed(*found, attention_mask.device)
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         super().__init__()
@@ -43,8 +57,10 @@ class Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)
+        if packed is not None:  # (N,) real tokens
+            ids, pos = ids.reshape(-1)[packed.token_index], pos.repeat(ids.shape[0])[packed.token_index]
         return self.dropout(self.LayerNorm(self.word_embeddings(ids) + self.position_embeddings(pos)))
 
 
@@ -56,15 +72,19 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_lin, self.out_lin = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, cfg.dim)
         self.dropout = Dropout(cfg.attention_dropout)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        B, T, E = x.shape
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+        B, T, E = bias.shape[0], bias.shape[-1], x.shape[-1]
 
-        def heads(t):  # (B, T, E) -> (B, nh, T, hs)
+        def heads(t):  # (B, T, E) or packed (N, E) -> (B, nh, T, hs)
+            if packed is not None:  # padding reads an appended zero row
+                t = torch.cat([t, t.new_zeros(1, E)]).index_select(0, packed.pad_index)
             return t.view(B, T, self.n_heads, E // self.n_heads).transpose(1, 2)
 
         q, k, v = heads(self.q_lin(x)), heads(self.k_lin(x)), heads(self.v_lin(x))
         att = torch.softmax((q @ k.transpose(-1, -2)) * self.scale + bias, dim=-1)  # (B, nh, T, T)
         y = (self.dropout(att) @ v).transpose(1, 2).reshape(B, T, E)
+        if packed is not None:
+            y = y.view(B * T, E).index_select(0, packed.token_index)  # (N, E)
         return self.out_lin(y)
 
 
@@ -86,8 +106,8 @@ class TransformerBlock(nn.Module):
         self.ffn = FFN(cfg)
         self.output_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x = self.sa_layer_norm(self.attention(x, bias) + x)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+        x = self.sa_layer_norm(self.attention(x, bias, packed) + x)
         return self.output_layer_norm(self.ffn(x) + x)
 
 
@@ -104,15 +124,32 @@ class DistilBertModel(nn.Module):
         self.transformer = Transformer(cfg)
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (B, T, E); with padding, its rows are zeros (the real tokens are
+        computed packed, see ``first_token``)."""
+        h, packed = self._run(ids, attention_mask)
+        if packed is None:
+            return h
         B, T = ids.shape
-        if attention_mask is None:
-            bias = ids.new_zeros((B, 1, T, T), dtype=torch.float32)
+        return torch.cat([h, h.new_zeros(1, h.shape[-1])]).index_select(0, packed.pad_index).view(B, T, -1)
+
+    def first_token(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden state of each sequence's first token, (B, E)."""
+        h, packed = self._run(ids, attention_mask)
+        return h[:, 0] if packed is None else h.index_select(0, packed.cls_index)
+
+    def _run(self, ids, attention_mask):
+        """Embeddings, LayerNorms, linear layers and FFN run on the real tokens only (packed
+        (N, E)); attention on the padded (B, nh, T, T) layout with padded keys masked."""
+        B, T = ids.shape
+        packed = None if attention_mask is None else Packed.of(attention_mask)
+        if packed is None:
+            bias = torch.zeros((B, 1, T, T), device=ids.device)
         else:
             bias = ((1.0 - attention_mask.float()) * _NEG).view(B, 1, 1, T).expand(B, 1, T, T)
-        h = self.embeddings(ids)
+        h = self.embeddings(ids, packed)
         for block in self.transformer.layer:
-            h = block(h, bias)
-        return h  # (B, T, E)
+            h = block(h, bias, packed)
+        return h, packed
 
 
 class DistilBertForSequenceClassification(nn.Module):
@@ -127,7 +164,7 @@ class DistilBertForSequenceClassification(nn.Module):
         self.dropout = Dropout(cfg.seq_classif_dropout)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.distilbert(input_ids, attention_mask)[:, 0]  # first token, (B, E)
+        h = self.distilbert.first_token(input_ids, attention_mask)  # (B, E)
         return self.classifier(self.dropout(F.relu(self.pre_classifier(h))))
 
     def load_weights(self, tensors: dict) -> None:
