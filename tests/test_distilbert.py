@@ -164,3 +164,14 @@ def test_strict_loading(hf_dirs, tmp_path):
         lc.CheckpointError, match=r"(?s)cut/model.safetensors.*missing keys \(1\).*layer.1.ffn.lin2.bias"
     ):
         load_distilbert_checkpoint(tmp_path / "cut")
+
+
+def test_pack_indices():
+    from lora_core.distilbert import pack_indices
+
+    token, pad, cls = pack_indices(np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
+    assert token.tolist() == [0, 1, 2, 4, 5, 6, 7, 8] and cls.tolist() == [0, 3, 7]
+    assert pad.tolist() == [0, 1, 2, 8, 3, 4, 5, 6, 7, 8, 8, 8]  # 8: the appended zero row
+    assert pack_indices(np.ones((2, 3))) is None
+    with pytest.raises(ValueError, match="right padding"):
+        pack_indices(np.array([[0, 1, 1]]))
