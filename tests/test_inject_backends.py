@@ -115,6 +115,11 @@ def test_our_peft_save_loads_into_peft(backend, gpt2_dirs, tmp_path):
         1e-5,
         floor=1.0,
     )
+    backend.save_lora_adapter(ours, tmp_path / "ours")  # our format: canonical names, same config
+    back = backend.from_pretrained(root / "base", adapter=tmp_path / "ours")
+    back.eval()
+    assert back.lora_injection.config == ours.lora_injection.config
+    assert np.array_equal(to_numpy(_our_logits(backend, back)), to_numpy(_our_logits(backend, ours)))
 
 
 def _assign(backend, p, value):
