@@ -204,3 +204,16 @@ def test_bad_inputs_name_the_problem(tmp_path):
     save_file(w, tmp_path / "a" / PEFT_WEIGHTS)
     with pytest.raises(CheckpointError, match=r"(?s)missing keys \(1\).*lora_B\.weight"):
         bt.load_lora_adapter(_distilbert(), tmp_path / "a")
+
+
+def test_peft_dora_folder_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    base = _distilbert()
+    dora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, target_modules=["q_lin"], use_dora=True))
+    dora.save_pretrained(tmp_path)
+    fresh = copy.deepcopy(base)
+    with pytest.raises(
+        ValueError, match=r"adapter_config.json: peft adapter uses what lora_core cannot represent.*DoRA"
+    ):
+        bt.load_lora_adapter(fresh, tmp_path)
+    assert not any("lora_" in n for n, _ in fresh.named_parameters())
