@@ -324,3 +324,13 @@ def test_regex_targets_round_trip_through_peft(gpt2_dirs, tmp_path):
         floor=1.0,
     )
     assert_close("regex targets -> peft -> ours logits", _our_logits(bt, back), _our_logits(bt, ours), 1e-6, floor=1.0)
+
+
+def test_new_backend_modules_have_the_same_names():
+    """inject.py, distilbert.py, classify.py exist in both backends with the same __all__
+    (their exported names' signatures are compared by tests/test_api.py)."""
+    import importlib
+
+    for m in ("inject", "distilbert", "classify"):
+        t, j = (importlib.import_module(f"backends.{be}.{m}") for be in ("torch", "jittor"))
+        assert t.__all__ == j.__all__, m

@@ -37,3 +37,6 @@ def cls_predict(model, batch: dict) -> np.ndarray:
     model.eval()
     with jt.no_grad():
         return _logits(model, batch).numpy().argmax(-1).astype(np.int64)
+
+
+__all__ = ["cls_loss", "cls_predict", "cls_train_step"]

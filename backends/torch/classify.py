@@ -44,3 +44,6 @@ def cls_predict(model, batch: dict) -> np.ndarray:
     """Predicted labels (argmax of the logits), (B,) int64."""
     model.eval()
     return _logits(model, batch).argmax(dim=-1).cpu().numpy().astype(np.int64)
+
+
+__all__ = ["cls_loss", "cls_predict", "cls_train_step"]
