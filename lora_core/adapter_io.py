@@ -66,12 +66,12 @@ def save(
         )
     elif format == "peft":
         cfg = inj.config
-        if isinstance(cfg.target_modules, str) and inj.match_prefix == module_prefix:
+        # regexes match full names: they get the prefix unless they were matched with it already
+        if inj.match_prefix == module_prefix:
             module_prefix_for_regex = ""
-        elif isinstance(cfg.target_modules, str) and inj.match_prefix:
+        elif inj.match_prefix:
             raise ValueError(
-                f"regex targets were matched with prefix {inj.match_prefix!r}, cannot save them "
-                f"for prefix {module_prefix!r}"
+                f"patterns were matched with prefix {inj.match_prefix!r}, cannot save them for prefix {module_prefix!r}"
             )
         else:
             module_prefix_for_regex = module_prefix

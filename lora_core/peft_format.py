@@ -42,7 +42,6 @@ UNSUPPORTED = {
     "megatron_config": "Megatron layers",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "arrow_config": "Arrow routing",
-    "exclude_modules": "exclude_modules",
     "loftq_config": "LoftQ",
     "use_bdlora": "BD-LoRA",
     "corda_config": "CorDA",
@@ -94,6 +93,7 @@ def config_from_peft(meta: dict, path) -> LoRATargetConfig:
             "r",
             "lora_alpha",
             "target_modules",
+            "exclude_modules",
             "rank_pattern",
             "alpha_pattern",
             "lora_dropout",
@@ -113,12 +113,13 @@ def config_from_peft(meta: dict, path) -> LoRATargetConfig:
         refused.append(f"fan_in_fan_out={meta['fan_in_fan_out']!r} is not a boolean")
     if refused:
         raise ValueError(f"{path}: peft adapter uses what lora_core cannot represent: {refused}")
-    targets = meta["target_modules"]
+    targets, exclude = meta["target_modules"], meta.get("exclude_modules") or ()
     try:
         return LoRATargetConfig(
             r=meta["r"],
             alpha=meta["lora_alpha"],
             target_modules=targets if isinstance(targets, str) else tuple(targets),
+            exclude_modules=exclude if isinstance(exclude, str) else tuple(exclude),
             rank_pattern=dict(meta.get("rank_pattern") or {}),
             alpha_pattern=dict(meta.get("alpha_pattern") or {}),
             dropout=meta.get("lora_dropout", 0.0),
@@ -144,10 +145,7 @@ def config_to_peft(
     layer (GPT-2's q, v ``c_attn``) has no peft layer; it is written exactly as one matrix of
     rank ``k*r`` (``sliced_as_whole``) with its own ``rank_pattern`` / ``alpha_pattern`` entry
     keeping the scaling."""
-    if module_prefix and isinstance(cfg.target_modules, str):
-        targets = f"{re.escape(module_prefix)}(?:{cfg.target_modules})"
-    else:
-        targets = sorted(cfg.target_modules) if not isinstance(cfg.target_modules, str) else cfg.target_modules
+    targets, exclude = _for_peft(cfg.target_modules, module_prefix), _for_peft(cfg.exclude_modules, module_prefix)
     rank_pattern, alpha_pattern = dict(cfg.rank_pattern), dict(cfg.alpha_pattern)
     for name, plan in plans.items():
         if plan.enable is None:
@@ -165,6 +163,7 @@ def config_to_peft(
         "r": cfg.r,
         "lora_alpha": cfg.alpha,
         "target_modules": targets,
+        "exclude_modules": exclude or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
         "lora_dropout": cfg.dropout,
@@ -217,6 +216,13 @@ def peft_key(name: str, plans: dict[str, LayerPlan], module_prefix: str = "") ->
     if plan is not None and leaf == "bias":
         return f"{full}.base_layer.bias"
     return KEY_PREFIX + module_prefix + name
+
+
+def _for_peft(patterns: tuple[str, ...] | str, module_prefix: str):
+    """Names / suffixes as a sorted list; a regex (full names) with the module prefix added."""
+    if isinstance(patterns, str):
+        return f"{re.escape(module_prefix)}(?:{patterns})" if module_prefix else patterns
+    return sorted(patterns)
 
 
 def _is_set(v) -> bool:

@@ -13,6 +13,7 @@ Matching rules are peft's (``peft.tuners.tuners_utils.check_target_module_exists
 - ``modules_to_save``: modules trained fully (a classifier head); as in peft an entry
   selects every module whose name ends with it as a string (``"classifier"`` also selects
   ``pre_classifier``), and such modules never get LoRA.
+- ``exclude_modules``: names / suffixes (tuple) or a regex (str) that never get LoRA.
 - ``fused_slices``: ``{pattern: enable}`` for fused projections adapted per slice
   (loralib ``MergedLinear``; GPT-2's ``c_attn`` with ``(True, False, True)`` is the paper's
   q, v form). Without an entry a fused layer is adapted as one matrix (peft's form).
@@ -50,6 +51,7 @@ class LoRATargetConfig:
         r: default rank; ``rank_pattern`` overrides it per module.
         alpha: default ``lora_alpha``; ``alpha_pattern`` overrides it per module.
         target_modules: names / dotted suffixes (tuple), or one regex matching full names (str).
+        exclude_modules: modules that never get LoRA, same matching as ``target_modules``.
         rank_pattern, alpha_pattern: ``{pattern: value}`` overrides (peft's matching).
         dropout: dropout on the input of ``lora_A`` (training only).
         bias: which biases train: ``none``, ``all``, ``lora_only`` (biases of adapted layers).
@@ -62,6 +64,7 @@ class LoRATargetConfig:
     r: int = 8
     alpha: float = 8.0
     target_modules: tuple[str, ...] | str = ()
+    exclude_modules: tuple[str, ...] | str = ()
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     dropout: float = 0.0
@@ -87,6 +90,10 @@ class LoRATargetConfig:
             _check_regex("target_modules", targets)
         object.__setattr__(self, "target_modules", targets)
         object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
+        if isinstance(self.exclude_modules, str):
+            _check_regex("exclude_modules", self.exclude_modules)
+        else:
+            object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
         for name, pattern_map, check in (
             ("rank_pattern", self.rank_pattern, lambda v: _check_int("rank_pattern value", v, 1)),
             ("alpha_pattern", self.alpha_pattern, lambda v: _check_number("alpha_pattern value", v)),
@@ -109,6 +116,8 @@ class LoRATargetConfig:
         d = dataclasses.asdict(self)
         d["target_modules"] = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         d["modules_to_save"] = list(self.modules_to_save)
+        if not isinstance(self.exclude_modules, str):
+            d["exclude_modules"] = list(self.exclude_modules)
         d["fused_slices"] = {k: list(v) for k, v in self.fused_slices.items()}
         return d
 
@@ -206,6 +215,8 @@ def plan_injection(
         full = match_prefix + name
         if not name or not matches_target(full, cfg.target_modules) or _excluded_by_save(full, cfg.modules_to_save):
             continue
+        if cfg.exclude_modules and matches_target(full, cfg.exclude_modules):
+            continue
         if isinstance(info, str):
             unsupported.append(f"{name} ({info})")
             continue
@@ -250,6 +261,12 @@ def _unmatched_patterns(names: list[str], plans: list[str], cfg: LoRATargetConfi
     ):
         out += [f"{label} {p!r}" for p in patterns if not any(pattern_key((p,), n) for n in plans)]
     out += [f"modules_to_save {m!r}" for m in cfg.modules_to_save if not any(n.endswith(m) for n in names)]
+    excludes = (cfg.exclude_modules,) if isinstance(cfg.exclude_modules, str) else cfg.exclude_modules
+    out += [
+        f"exclude_modules {e!r}"
+        for e in excludes
+        if not any(matches_target(n, e if isinstance(cfg.exclude_modules, str) else (e,)) for n in names)
+    ]
     return out
 
 

@@ -217,3 +217,19 @@ def test_peft_dora_folder_is_refused_by_name(tmp_path):
     ):
         bt.load_lora_adapter(fresh, tmp_path)
     assert not any("lora_" in n for n, _ in fresh.named_parameters())
+
+
+def test_peft_exclude_modules_round_trip(tmp_path):
+    torch.manual_seed(0)
+    base = _distilbert().eval()
+    pcfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_lin", "v_lin"], init_lora_weights=False,
+                           exclude_modules=["layer.0.attention.q_lin"])  # fmt: skip
+    theirs = peft.get_peft_model(copy.deepcopy(base), pcfg).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = copy.deepcopy(base)
+    adapted = bt.load_lora_adapter(ours, tmp_path / "theirs")
+    assert "distilbert.transformer.layer.0.attention.q_lin" not in adapted and len(adapted) == 3
+    assert_close("peft exclude_modules -> ours logits", _logits(ours), _logits(theirs), 1e-5)
+    bt.save_lora_adapter(ours, tmp_path / "back", format="peft")
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "back").eval()
+    assert torch.equal(_logits(again), _logits(theirs))

@@ -214,3 +214,13 @@ def test_reference_conv1d_is_transposed_linear():
     merged = ref.merge_conv1d(W, A, B, 0.5, (True, False, True))
     np.testing.assert_allclose(y, x @ merged + b, rtol=1e-12)
     assert np.array_equal(y[:, 4:8], x @ W[:, 4:8] + b[4:8])  # the disabled (k) slice is untouched
+
+
+def test_exclude_modules():
+    cfg = LoRATargetConfig(target_modules=("q_lin", "v_lin"), exclude_modules=("layer.0.attention.q_lin",))
+    assert "bert.layer.0.attention.q_lin" not in plan_injection(MODULES, cfg)
+    regex = LoRATargetConfig(target_modules=("q_lin", "v_lin"), exclude_modules=r".*layer\.1\..*")
+    assert all(".layer.0." in n for n in plan_injection(MODULES, regex))
+    with pytest.raises(TargetError, match="exclude_modules 'nothing'"):
+        plan_injection(MODULES, LoRATargetConfig(target_modules=("q_lin",), exclude_modules=("nothing",)))
+    assert LoRATargetConfig.from_dict(regex.to_dict()) == regex and LoRATargetConfig.from_dict(cfg.to_dict()) == cfg
