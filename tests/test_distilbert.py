@@ -175,3 +175,21 @@ def test_pack_indices():
     assert pack_indices(np.ones((2, 3))) is None
     with pytest.raises(ValueError, match="right padding"):
         pack_indices(np.array([[0, 1, 1]]))
+
+
+def test_our_adapter_saved_as_peft_loads_into_transformers(backend, hf_dirs, tmp_path):
+    hf, _, root = hf_dirs
+    ours = backend.distilbert_from_pretrained(root / "base")
+    cfg = lc.LoRATargetConfig(r=2, alpha=4, target_modules=("q_lin", "v_lin", "lin1"), bias="lora_only",
+                              modules_to_save=("classifier",))  # fmt: skip
+    backend.inject_lora(ours, cfg)
+    rng = np.random.default_rng(4)
+    state = {n: v + rng.normal(0, 0.1, v.shape).astype(np.float32) for n, v in backend.lora_state_dict(ours).items()}
+    ours.load_weights(dict(ours.state_numpy(), **state))
+    ours.eval()
+    backend.save_lora_adapter(ours, tmp_path, format="peft")
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    assert_close(
+        f"{backend.NAME} DistilBERT our peft save -> peft logits", _ours(backend, ours), _hf(theirs), 1e-5, floor=1.0
+    )
+    assert np.abs(to_numpy(_hf(theirs)) - to_numpy(_hf(hf))).max() > 1e-2  # the adapter matters
