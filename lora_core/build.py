@@ -27,6 +27,8 @@ def from_pretrained(model_cls, mark_trainable, path, lora=None, adapter=None, tr
     if adapter is not None and is_injected_adapter(adapter):
         if lora is not None:
             raise ValueError(f"{adapter}: an adapter folder brings its own LoRA config; do not pass lora= too")
+        if load_injected is None:
+            raise ValueError(f"{adapter}: a peft / injected-model adapter needs the backend's load_lora_adapter")
         model = from_pretrained(model_cls, mark_trainable, path, None, None, trainable)
         load_injected(model, adapter)
         return model
