@@ -29,3 +29,9 @@ __all__ = [
     "init_gpt2_weights", "init_lora_weights", "base_shapes", "count_parameters", "lora_shapes",
     "trainable_names", "linear_warmup_decay", "lr_at", "batching", "beam", "optim",
 ]
+
+# LoRA for any model: peft-like targeting (injection is in the backends: bk.inject_lora)
+from . import adapter_io, peft_format  # noqa: E402
+from .targeting import LoRATargetConfig, TargetError  # noqa: E402
+
+__all__ += ["LoRATargetConfig", "TargetError", "adapter_io", "peft_format"]

@@ -27,9 +27,10 @@ def unmerge_lora(model) -> None:
 
 
 def set_dropout_source(model, source) -> None:
-    """Parity mode: LoRA dropout masks come from ``source`` (``lora_core.dropout.NumpyDropout``);
-    ``None`` goes back to the framework's dropout."""
-    for m in lora_layers(model):
+    """Parity mode: dropout masks of every module that can take them (LoRA layers, the
+    DistilBERT models' dropouts: modules with a ``mask_source``) come from ``source``
+    (``lora_core.dropout.NumpyDropout``); ``None`` goes back to the framework's dropout."""
+    for m in model.modules():
         if hasattr(m, "mask_source"):
             m.mask_source = source
 

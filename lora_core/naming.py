@@ -108,8 +108,12 @@ def count_parameters(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def adapter_names(model) -> set[str]:
-    """What an adapter of ``model`` holds: names from its configs if it has them
-    (``model.config``, ``model.lora_config``), else every ``lora_`` parameter name."""
+    """What an adapter of ``model`` holds: for a model with injected LoRA what its config
+    trains; else names from its configs if it has them (``model.config``,
+    ``model.lora_config``), else every ``lora_`` parameter name."""
+    injected = getattr(model, "lora_injection", None)  # set by inject_lora (lora_core.injection)
+    if injected is not None:
+        return set(injected.trainable(n for n, _ in model.named_parameters()))
     cfg, lora = getattr(model, "config", None), getattr(model, "lora_config", None)
     if cfg is not None and lora is not None:
         return set(trainable_names(cfg, lora))

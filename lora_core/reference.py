@@ -69,3 +69,21 @@ def lora_linear_grads(x: np.ndarray, A: np.ndarray, B: np.ndarray, scaling: floa
 def lora_embedding(ids: np.ndarray, W: np.ndarray, A: np.ndarray, B: np.ndarray, scaling: float) -> np.ndarray:
     """loralib ``Embedding``: ``W[ids] + scaling * A.T[ids] @ B.T``; A (r, vocab), B (dim, r)."""
     return W[ids].astype(np.float64) + scaling * (A.T[ids].astype(np.float64) @ B.T.astype(np.float64))
+
+
+def lora_conv1d(x: np.ndarray, W: np.ndarray, b: np.ndarray | None, A: np.ndarray, B: np.ndarray,
+                scaling: float, enable: tuple[bool, ...] | None = None) -> np.ndarray:
+    """GPT-2 ``Conv1D`` with LoRA (peft ``fan_in_fan_out``): W is stored (in, out), ``y = x W + b``
+    plus the same update as ``lora_linear``; A (r, in), B (out, r) as for a Linear."""
+    return lora_linear(x, W.T, b, A, B, scaling, enable)
+
+
+def merge_conv1d(W: np.ndarray, A: np.ndarray, B: np.ndarray, scaling: float,
+                 enable: tuple[bool, ...] | None = None) -> np.ndarray:
+    """``W + delta^T`` for a (in, out) Conv1D weight (float64)."""
+    return W.astype(np.float64) + lora_delta(A, B, scaling, W.shape[1], enable).T
+
+
+def rslora_scaling(alpha: float, r: int) -> float:
+    """Rank-stabilised LoRA (Kalajdzievski 2023; peft ``use_rslora``): ``alpha / sqrt(r)``."""
+    return alpha / r ** 0.5

@@ -78,12 +78,14 @@ class LoRALinear(nn.Module):
 
     def merge(self) -> None:
         if self.r and not self.merged:
+            self.premerge_weight = self.weight.numpy().copy()  # numpy: not a parameter of the module
             assign_keep_grad(self.weight, self.weight + self.delta_weight())
             self.merged = True
 
     def unmerge(self) -> None:
         if self.r and self.merged:
-            assign_keep_grad(self.weight, self.weight - self.delta_weight())
+            assign_keep_grad(self.weight, jt.array(self.premerge_weight))
+            self.premerge_weight = None
             self.merged = False
 
 

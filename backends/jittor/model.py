@@ -165,6 +165,8 @@ class Block(nn.Module):
 class GPT2LMModel(nn.Module):
     """GPT-2 with a tied LM head and optional LoRA layers."""
 
+    peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
+
     def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
         self.config, self.lora_config = cfg, lora
         wte_lora = lora is not None and lora.r and "wte" in lora.target_modules

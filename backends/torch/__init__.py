@@ -37,8 +37,9 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
-    """Load a GPT-2 checkpoint, optionally with an adapter; see ``lora_core.build.from_pretrained``."""
-    return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable)
+    """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.build.from_pretrained``."""
+    return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
+                                  load_lora_adapter)
 
 
 __all__ = [
@@ -48,3 +49,11 @@ __all__ = [
     # data parallelism (backends/*/distributed.py)
     "all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group",
 ]
+
+# LoRA for any model (lora_core.targeting / injection / peft_format)
+from .classify import cls_loss, cls_predict, cls_train_step  # noqa: E402
+from .distilbert import DistilBertForSequenceClassification, distilbert_from_pretrained  # noqa: E402
+from .inject import inject_lora, load_lora_adapter, mark_only_lora_trainable, save_lora_adapter  # noqa: E402
+
+__all__ += ["DistilBertForSequenceClassification", "cls_loss", "cls_predict", "cls_train_step", "distilbert_from_pretrained",
+            "inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter"]

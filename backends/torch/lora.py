@@ -65,16 +65,19 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the update into ``weight`` (idempotent)."""
+        """Add the update into ``weight`` (idempotent). A copy of the weight is kept while
+        merged, so that ``unmerge`` restores it bit for bit."""
         if self.r and not self.merged:
+            self.premerge_weight = self.weight.detach().clone()
             self.weight += self.delta_weight()
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Subtract the update from ``weight`` (idempotent)."""
+        """Restore the weight as it was before ``merge`` (idempotent, exact)."""
         if self.r and self.merged:
-            self.weight -= self.delta_weight()
+            self.weight.copy_(self.premerge_weight)
+            self.premerge_weight = None
             self.merged = False
 
 
@@ -131,7 +134,7 @@ class LoRAMergedLinear(LoRALinear):
 
     def delta_weight(self) -> torch.Tensor:
         r, o = self.r, self._slice_out()
-        delta = self.weight.new_zeros(self.weight.shape)
+        delta = self.weight.new_zeros((self.out_features, self.in_features))
         for j, i in enumerate(self.enabled):
             delta[i * o:(i + 1) * o] = self.lora_B[j * o:(j + 1) * o] @ self.lora_A[j * r:(j + 1) * r]
         return delta * self.scaling

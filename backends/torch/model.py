@@ -168,6 +168,8 @@ class Block(nn.Module):
 class GPT2LMModel(nn.Module):
     """GPT-2 with a tied LM head and optional LoRA layers (see module docstring)."""
 
+    peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
+
     def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
         super().__init__()
         self.config, self.lora_config = cfg, lora

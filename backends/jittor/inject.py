@@ -1,0 +1,156 @@
+"""LoRA for any ``jittor.nn.Module``: injection, the trainable set and adapter files; contract
+and docs as in ``backends.torch.inject`` (spec in ``lora_core.targeting`` / ``injection`` /
+``adapter_io``). The layers are ``backends.jittor.lora``'s, holding the replaced module's
+own weight and bias Vars.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jittor as jt
+import numpy as np
+from jittor import nn
+
+from lora_core import adapter_io, injection
+from lora_core.injection import inject, injection_of, require_injection
+from lora_core.targeting import LayerPlan, TargetError
+
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
+
+
+class _FanInFanOut:
+    """GPT-2 ``Conv1D`` layout (weight (in, out), ``y = x W + b``); the LoRA pair keeps the
+    Linear layout, so the update is transposed (peft ``fan_in_fan_out``)."""
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        y = jt.matmul(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.r and not self.merged:
+            y = self._lora_out(x, y)
+        return y
+
+    def delta_weight(self) -> jt.Var:
+        return super().delta_weight().transpose()
+
+
+class LoRAConv1D(_FanInFanOut, LoRALinear):
+    """``LoRALinear`` on a GPT-2 ``Conv1D``-style weight (in, out)."""
+
+
+class LoRAMergedConv1D(_FanInFanOut, LoRAMergedLinear):
+    """``LoRAMergedLinear`` (per-slice LoRA) on a ``Conv1D``-style weight (in, out)."""
+
+
+def _describe(m: nn.Module, adapted_ok: bool = False):
+    """``(kind, in, out)`` of a module LoRA can adapt, else its type name (``adapted_ok``:
+    a layer that already has LoRA is described by its base kind)."""
+    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
+        return (
+            ("embedding", *m.weight.shape)
+            if isinstance(m, LoRAEmbedding)
+            else ("linear", m.weight.shape[1], m.weight.shape[0])
+        )
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
+        return f"{type(m).__name__} already adapted (r={m.r})"
+    if type(m) in (nn.Embedding, LoRAEmbedding):
+        return ("embedding", m.weight.shape[0], m.weight.shape[1])
+    if type(m) in (nn.Linear, LoRALinear):
+        return ("linear", m.weight.shape[1], m.weight.shape[0])
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and len(m.weight.shape) == 2:  # an HF-style port
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    return type(m).__name__
+
+
+def _set_child(parent: nn.Module, child: str, new: nn.Module) -> None:
+    if isinstance(parent, nn.Sequential):  # also jittor's ModuleList: children live in .layers
+        key = next(k for k in parent.layers if str(k) == child)
+        parent.layers[key] = new
+    else:
+        setattr(parent, child, new)
+
+
+def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, values, dropout: float) -> None:
+    bias = getattr(old, "bias", None) is not None
+    if plan.kind == "embedding":
+        new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha)
+    elif plan.enable is not None:
+        cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
+        new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)
+    else:
+        cls = LoRAConv1D if plan.kind == "conv1d" else LoRALinear
+        new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, bias)
+    new.weight = old.weight
+    new.bias = old.bias if bias else None
+    new.lora_A = jt.array(values[0]).cast(old.weight.dtype)
+    new.lora_B = jt.array(values[1]).cast(old.weight.dtype)
+    new.scaling = plan.scaling
+    new.is_train = old.is_training()
+    _set_child(parent, child, new)
+
+
+def inject_lora(model: nn.Module, config) -> list[str]:
+    """Put LoRA on the modules ``config`` targets and freeze all but what it trains."""
+    inj = inject(model, config, _describe, _replace, match_prefix="")
+    mark_only_lora_trainable(model)
+    return list(inj.plans)
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    """Train exactly what the injected config trains (LoRA, its biases, ``modules_to_save``).
+    jittor's ``eval()``/``train()`` remember trainability once: that memory is reset here."""
+    names = set(require_injection(model).trainable(n for n, _ in model.named_parameters()))
+    for n, p in model.named_parameters():
+        p.requires_grad = n in names
+    for m in model.modules():
+        if hasattr(m, "backup_grad_state"):
+            del m.backup_grad_state
+
+
+def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def save_lora_adapter(
+    model: nn.Module, path: str | os.PathLike, format: str = "lora_core", base: str | None = None
+) -> None:
+    """Save the adapter of an injected model (``"lora_core"`` or ``"peft"`` format)."""
+    inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
+    names = set(inj.trainable(n for n, _ in model.named_parameters()))
+    tensors = {n: p.numpy().astype(np.float32) for n, p in model.named_parameters() if n in names}
+    adapter_io.save(path, inj, tensors, _param_shapes(model), format, getattr(model, "peft_module_prefix", ""), base)
+
+
+def load_lora_adapter(model: nn.Module, path: str | os.PathLike) -> list[str]:
+    """Load an adapter folder (ours or peft's) into ``model`` (injecting its config first if
+    needed); strict. Returns the adapted module names."""
+    cfg, fmt = adapter_io.read_config(path)
+    prefix = getattr(model, "peft_module_prefix", "") if fmt == "peft" else ""
+    inj = injection_of(model)
+    fresh = inj is None
+    if fresh:  # checked against the file before the model is changed
+        inj = injection.plan(model, cfg, _describe, match_prefix=prefix)
+    elif inj.config != cfg:
+        raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
+    shapes = dict(_param_shapes(model), **inj.lora_shapes())
+    tensors = adapter_io.load(path, inj, shapes, getattr(model, "peft_module_prefix", ""))
+    if fresh:
+        injection.apply(model, inj, _replace)
+        mark_only_lora_trainable(model)
+    params = dict(model.named_parameters())
+    for n, v in tensors.items():
+        assign_keep_grad(params[n], jt.array(np.ascontiguousarray(v)).cast(params[n].dtype))
+    return list(inj.plans)
+
+
+__all__ = [
+    "LoRAConv1D",
+    "LoRAMergedConv1D",
+    "inject_lora",
+    "load_lora_adapter",
+    "mark_only_lora_trainable",
+    "save_lora_adapter",
+]

@@ -1,0 +1,161 @@
+"""LoRA for any ``torch.nn.Module`` (``transformers`` models included): injection, the
+trainable set and adapter files. The spec (matching, plans, formats) is in
+``lora_core.targeting``, ``lora_core.injection``, ``lora_core.adapter_io``; the layers are
+``backends.torch.lora``'s, holding the replaced module's own weight and bias parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from lora_core import adapter_io, injection
+from lora_core.injection import inject, injection_of, require_injection
+from lora_core.targeting import LayerPlan, TargetError
+
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
+
+
+class _FanInFanOut:
+    """GPT-2 ``Conv1D`` layout: weight (in, out), ``y = x W + b`` (``transformers.pytorch_utils.Conv1D``);
+    the LoRA pair keeps the Linear layout, so the update is transposed (peft ``fan_in_fan_out``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1] + (self.out_features,)
+        flat = x.reshape(-1, x.shape[-1])
+        y = (torch.addmm(self.bias, flat, self.weight) if self.bias is not None else flat @ self.weight).view(shape)
+        if self.r and not self.merged:
+            y = self._lora_out(x, y)
+        return y
+
+    def delta_weight(self) -> torch.Tensor:
+        return super().delta_weight().t()
+
+
+class LoRAConv1D(_FanInFanOut, LoRALinear):
+    """``LoRALinear`` on a GPT-2 ``Conv1D`` weight (in, out)."""
+
+
+class LoRAMergedConv1D(_FanInFanOut, LoRAMergedLinear):
+    """``LoRAMergedLinear`` (per-slice LoRA) on a GPT-2 ``Conv1D`` weight (in, out)."""
+
+
+def _describe(m: nn.Module, adapted_ok: bool = False):
+    """``(kind, in, out)`` of a module LoRA can adapt, else its type name (``adapted_ok``:
+    a layer that already has LoRA is described by its base kind)."""
+    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
+        return (
+            ("embedding", *m.weight.shape)
+            if isinstance(m, LoRAEmbedding)
+            else ("linear", m.weight.shape[1], m.weight.shape[0])
+        )
+    if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
+        return f"{type(m).__name__} already adapted (r={m.r})"
+    if isinstance(m, LoRAEmbedding) or (isinstance(m, nn.Embedding) and m.max_norm is None):
+        return ("embedding", m.weight.shape[0], m.weight.shape[1])
+    if isinstance(m, (nn.Linear, LoRALinear)) and type(m) in (nn.Linear, LoRALinear):
+        return ("linear", m.weight.shape[1], m.weight.shape[0])
+    if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and m.weight.dim() == 2:
+        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
+    return type(m).__name__
+
+
+def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, values, dropout: float) -> None:
+    w = old.weight
+    bias = getattr(old, "bias", None) is not None
+    with torch.device("meta"):  # no throw-away allocation of the base-sized weight
+        if plan.kind == "embedding":
+            new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha)
+        elif plan.enable is not None:
+            cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
+            new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)
+        else:
+            cls = LoRAConv1D if plan.kind == "conv1d" else LoRALinear
+            new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, bias)
+    new.weight = w
+    if bias:
+        new.bias = old.bias
+    new.lora_A = nn.Parameter(torch.from_numpy(values[0]).to(device=w.device, dtype=w.dtype))
+    new.lora_B = nn.Parameter(torch.from_numpy(values[1]).to(device=w.device, dtype=w.dtype))
+    new.scaling = plan.scaling
+    new.train(old.training)
+    setattr(parent, child, new)
+
+
+def inject_lora(model: nn.Module, config) -> list[str]:
+    """Put LoRA on the modules ``config`` targets and freeze all but what it trains.
+
+    Args:
+        model: any module (a ``transformers`` model, ``GPT2LMModel(cfg)``, ...).
+        config: a ``lora_core.LoRATargetConfig`` (or GPT-2's ``LoRAConfig``).
+
+    Returns:
+        The adapted module names, in module order.
+
+    Raises:
+        lora_core.targeting.TargetError: listing patterns that matched no module, or
+            naming a target of a kind LoRA cannot adapt.
+    """
+    inj = inject(model, config, _describe, _replace, match_prefix="")
+    mark_only_lora_trainable(model)
+    return list(inj.plans)
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    """Train exactly what the injected config trains (LoRA, its biases, ``modules_to_save``)."""
+    names = set(require_injection(model).trainable(n for n, _ in model.named_parameters()))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+
+
+def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def save_lora_adapter(
+    model: nn.Module, path: str | os.PathLike, format: str = "lora_core", base: str | None = None
+) -> None:
+    """Save the adapter of an injected model: ``format="lora_core"`` or ``"peft"`` (loadable
+    by ``peft.PeftModel.from_pretrained`` on the matching ``transformers`` model)."""
+    inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
+    names = set(inj.trainable(n for n, _ in model.named_parameters()))
+    tensors = {n: p.detach().cpu().float().numpy() for n, p in model.named_parameters() if n in names}
+    adapter_io.save(path, inj, tensors, _param_shapes(model), format, getattr(model, "peft_module_prefix", ""), base)
+
+
+def load_lora_adapter(model: nn.Module, path: str | os.PathLike) -> list[str]:
+    """Load an adapter folder (ours or peft's) into ``model``, injecting its config first
+    if the model has none; strict. Returns the adapted module names."""
+    cfg, fmt = adapter_io.read_config(path)
+    prefix = getattr(model, "peft_module_prefix", "") if fmt == "peft" else ""
+    inj = injection_of(model)
+    fresh = inj is None
+    if fresh:  # checked against the file before the model is changed
+        inj = injection.plan(model, cfg, _describe, match_prefix=prefix)
+    elif inj.config != cfg:
+        raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
+    shapes = dict(_param_shapes(model), **inj.lora_shapes())
+    tensors = adapter_io.load(path, inj, shapes, getattr(model, "peft_module_prefix", ""))
+    if fresh:
+        injection.apply(model, inj, _replace)
+        mark_only_lora_trainable(model)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, v in tensors.items():
+            params[n].copy_(torch.from_numpy(np.ascontiguousarray(v)).to(params[n].dtype))
+    return list(inj.plans)
+
+
+__all__ = [
+    "LoRAConv1D",
+    "LoRAMergedConv1D",
+    "inject_lora",
+    "load_lora_adapter",
+    "mark_only_lora_trainable",
+    "save_lora_adapter",
+]

@@ -1,0 +1,196 @@
+"""Speed and memory of DistilBERT + LoRA on SST-2 batches: our torch and jittor backends
+against HF ``transformers`` + ``peft`` (the framework comparison of the DistilBERT/SST-2 study).
+
+Recipe of the study: LoRA r=4, alpha 8 on ``q_lin`` and ``v_lin``, the classifier trained
+fully (peft's ``modules_to_save=["classifier"]``, which by its suffix rule also trains
+``pre_classifier``, in every system), AdamW lr 2e-4, weight decay 0.01, batch 16 with
+gradient accumulation 2 (an update = 2 micro-batches of 16), dropout as configured (0.1,
+0.2 before the classifier). Batches are the first SST-2 training sentences in file order,
+WordPiece-tokenised (``lora_core.cls_data``) and padded to their longest sentence. Every
+(system, repeat) runs in its own process, so its peak RSS (``ru_maxrss``) is its own;
+systems rotate per repeat; the table gives medians. Same random weights everywhere (no
+pretrained DistilBERT can be downloaded here), so accuracy is not measured.
+
+    python -m examples.cls.bench --data-dir ../shared/data --json cls_bench.json
+    # smoke run: --shape tiny --steps 1 --warmup 1 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import lora_core as lc
+from lora_core import cls_data
+from lora_core.distilbert import PRESETS, DistilBertConfig, init_weights
+
+SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
+BATCH, ACCUM, EVAL_BATCH, LR = 16, 2, 64, 2e-4
+TARGETS = [  # (label, metric, numerator, denominator, "ge"/"le", bound)
+    ("train ex/s   ours-torch / hf-peft", "train_ex_s", "ours-torch", "hf-peft", "ge", 1.3),
+    ("train ex/s   ours-jittor / ours-torch", "train_ex_s", "ours-jittor", "ours-torch", "ge", 0.9),
+    ("peak RSS     ours-torch / hf-peft", "rss_mb", "ours-torch", "hf-peft", "le", 1.0),
+    ("peak RSS     ours-jittor / hf-peft", "rss_mb", "ours-jittor", "hf-peft", "le", 1.0),
+]
+
+
+def shape_config(name: str) -> DistilBertConfig:
+    """``distilbert``: distilbert-base-uncased's shape; ``tiny`` with BERT's vocabulary."""
+    base = PRESETS["distilbert-base-uncased"]
+    return base if name == "distilbert" else DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128)
+
+
+def batches(data_dir: Path, n: int, size: int, split: str = "train") -> list[dict]:
+    rows = cls_data.read_tsv(data_dir / "sst2" / f"{split}.tsv")[:n]
+    tok = cls_data.wordpiece_tokenizer(data_dir / "distilbert-vocab" / "vocab.txt")
+    ids, _ = cls_data.encode(tok, [s for s, _ in rows], max_len=128)
+    return [cls_data.collate(ids[i : i + size], [lab for _, lab in rows[i : i + size]]) for i in range(0, n, size)]
+
+
+class Ours:
+    def __init__(self, name: str, cfg: DistilBertConfig):
+        self.bk = lc.get_backend(name)
+        self.model = self.bk.DistilBertForSequenceClassification(cfg)
+        self.model.load_weights(init_weights(cfg, seed=0))
+        targets = lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), modules_to_save=("classifier",))
+        self.bk.inject_lora(self.model, targets)
+        self.opt = self.bk.AdamW(self.bk.trainable_parameters(self.model), lc.optim.AdamWConfig(weight_decay=0.01))
+
+    def train_step(self, micro: list[dict]) -> float:
+        return self.bk.cls_train_step(self.model, self.opt, micro, LR)["loss"]
+
+    def predict(self, batch: dict) -> np.ndarray:
+        return self.bk.cls_predict(self.model, batch)
+
+
+class HFPeft:
+    def __init__(self, cfg: DistilBertConfig):
+        import peft
+        import torch
+        import transformers
+
+        hf_cfg = transformers.DistilBertConfig(**{k: v for k, v in cfg.to_dict().items() if k != "initializer_range"})
+        model = transformers.DistilBertForSequenceClassification(hf_cfg)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in init_weights(cfg, seed=0).items()}, strict=False)
+        lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"], modules_to_save=["classifier"])
+        self.torch, self.model = torch, peft.get_peft_model(model, lcfg)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+    def _t(self, b: dict) -> dict:
+        return {k: self.torch.from_numpy(v) for k, v in b.items()}
+
+    def train_step(self, micro: list[dict]) -> float:
+        self.model.train()
+        total = 0.0
+        for mb in micro:
+            loss = self.model(**self._t(mb)).loss
+            (loss / len(micro)).backward()
+            total += loss.item()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total / len(micro)
+
+    def predict(self, batch: dict) -> np.ndarray:
+        self.model.eval()
+        with self.torch.no_grad():
+            b = self._t(batch)
+            return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.argmax(-1).numpy()
+
+
+def run_worker(spec: dict) -> dict:
+    if spec["system"] != "ours-jittor":
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    data_dir, cfg = Path(spec["data_dir"]), shape_config(spec["shape"])
+    train = batches(data_dir, BATCH * ACCUM * (spec["warmup"] + spec["steps"]), BATCH)
+    dev = batches(data_dir, EVAL_BATCH * spec["eval_batches"], EVAL_BATCH, "dev")
+    system = HFPeft(cfg) if spec["system"] == "hf-peft" else Ours(spec["system"].split("-")[1], cfg)
+    times, losses = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        losses.append(system.train_step(train[i * ACCUM : (i + 1) * ACCUM]))
+        times.append(time.perf_counter() - t0)
+        print(f"[bench] {spec['system']} update {i + 1}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
+    system.predict(dev[0])  # warm-up
+    t0 = time.perf_counter()
+    for b in dev:
+        system.predict(b)
+    eval_s = time.perf_counter() - t0
+    return {"train_ex_s": BATCH * ACCUM * spec["steps"] / sum(times[spec["warmup"] :]), "loss": losses,
+            "eval_ex_s": EVAL_BATCH * len(dev) / eval_s, "update_s": times,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "loadavg_end": os.getloadavg()[0]}  # fmt: skip
+
+
+def spawn(spec: dict) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-m", "examples.cls.bench", "--worker", json.dumps(spec)], env=env,
+                          stdout=subprocess.PIPE, text=True)  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": f"exit {proc.returncode}"}
+
+
+def summarise(raw: dict) -> str:
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in ("train_ex_s", "eval_ex_s", "rss_mb")}
+           for s, runs in raw.items() if runs and all("error" not in r for r in runs)}  # fmt: skip
+    lines = ["| system | train ex/s | eval ex/s | peak RSS MB |", "| --- | --- | --- | --- |"]
+    lines += [f"| {s} | {m['train_ex_s']:.2f} | {m['eval_ex_s']:.1f} | {m['rss_mb']:.0f} |" for s, m in med.items()]
+    lines += ["", "| target | bound | measured | met |", "| --- | --- | --- | --- |"]
+    for label, key, num, den, kind, bound in TARGETS:
+        if num in med and den in med:
+            ratio = med[num][key] / med[den][key]
+            ok = ratio >= bound if kind == "ge" else ratio <= bound
+            lines.append(
+                f"| {label} | {'>=' if kind == 'ge' else '<='} {bound} | {ratio:.2f} | {'yes' if ok else 'no'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data")
+    ap.add_argument("--shape", choices=("distilbert", "tiny"), default="distilbert")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--steps", type=int, default=3, help="timed updates (of 2 x 16 examples)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--eval-batches", type=int, default=2, help="dev batches of 64 timed for eval ex/s")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(json.loads(args.worker))))
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"--systems: unknown {bad}; choose from {SYSTEMS}")
+    raw = {s: [] for s in systems}
+    for rep in range(args.repeats):
+        for s in systems[rep % len(systems) :] + systems[: rep % len(systems)]:
+            spec = {"system": s, "shape": args.shape, "data_dir": str(args.data_dir), "steps": args.steps,
+                    "warmup": args.warmup, "eval_batches": args.eval_batches, "threads": args.threads}  # fmt: skip
+            raw[s].append(dict(spawn(spec), loadavg_start=os.getloadavg()[0]))
+    table = summarise(raw)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "raw": raw}, indent=1))
+    return 0 if all("error" not in r for runs in raw.values() for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

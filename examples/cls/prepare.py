@@ -1,0 +1,67 @@
+"""SST-2 TSV -> encoded JSONL (``{"ids": [...], "label": 0|1}``, test: ``{"index", "ids"}``).
+
+WordPiece with ``tokenizers`` from BERT's uncased ``vocab.txt`` (``[CLS] ... [SEP]``, the ids
+``transformers``' ``DistilBertTokenizer`` gives); no padding here: batches are padded to their
+longest sentence when formed. Sentences longer than ``--max-len`` tokens are cut and counted
+in the printed summary. A bad file stops with its name and line (``lora_core.cls_data``)::
+
+    python -m examples.cls.prepare --data-dir ../shared/data/sst2 \\
+        --vocab ../shared/data/distilbert-vocab/vocab.txt --out-dir out/sst2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lora_core import cls_data
+from lora_core.data import write_jsonl_atomic
+
+SPLITS = {"train": True, "dev": True, "test": False}  # split -> labelled
+
+
+def prepare(data_dir: Path, vocab: Path, out_dir: Path, max_len: int = 128) -> dict:
+    """Encode every split; returns ``{split: {"n", "cut", "max_tokens"}}``."""
+    tok = cls_data.wordpiece_tokenizer(vocab)
+    rows = {s: cls_data.read_tsv(data_dir / f"{s}.tsv", labelled) for s, labelled in SPLITS.items()}  # all read first
+    summary = {}
+    for split, labelled in SPLITS.items():
+        ids, cut = cls_data.encode(tok, [s for s, _ in rows[split]], max_len)
+        if labelled:
+            records = [{"ids": i, "label": lab} for i, (_, lab) in zip(ids, rows[split])]
+        else:
+            records = [{"index": n, "ids": i} for n, i in enumerate(ids)]
+        write_jsonl_atomic(out_dir / f"{split}.jsonl", records)
+        summary[split] = {"n": len(ids), "cut": cut, "max_tokens": max(map(len, ids), default=0)}
+    return summary
+
+
+def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
+    """``(ids, labels)`` of a prepared split (labels None for test)."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    labels = [r["label"] for r in records] if records and "label" in records[0] else None
+    return [r["ids"] for r in records], labels
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-dir", type=Path, required=True, help="folder with train.tsv, dev.tsv, test.tsv")
+    ap.add_argument("--vocab", type=Path, required=True, help="BERT uncased vocab.txt")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--max-len", type=int, default=128)
+    args = ap.parse_args(argv)
+    try:
+        summary = prepare(args.data_dir, args.vocab, args.out_dir, args.max_len)
+    except (cls_data.DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for split, s in summary.items():
+        print(f"{split}: {s['n']} sentences, longest {s['max_tokens']} tokens, {s['cut']} cut to {args.max_len}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Sentence classification: SST-2 data (strict TSV, WordPiece vs ``transformers``' BERT
+tokenizer, dynamic padding) and a 200-step LoRA fine-tune of a tiny DistilBERT in torch and
+jittor with shared dropout masks (every dropout and LoRA's): loss curves agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close
+
+import lora_core as lc
+from lora_core import cls_data
+from lora_core.distilbert import PRESETS, init_weights
+from lora_core.dropout import NumpyDropout
+from lora_core.layers import set_dropout_source
+from lora_core.optim import AdamWConfig
+
+
+def test_tsv_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "train.tsv"
+    p.write_text("sentence\tlabel\ngood film \t1\nbad \t2\n")
+    with pytest.raises(cls_data.DataError, match=r"train.tsv:3: label '2' is not 0 or 1"):
+        cls_data.read_tsv(p)
+    p.write_text("text\tlabel\ngood\t1\n")
+    with pytest.raises(cls_data.DataError, match=r"train.tsv:1: expected the header"):
+        cls_data.read_tsv(p)
+    p.write_text("sentence\tlabel\ngood\n")
+    with pytest.raises(cls_data.DataError, match=r"train.tsv:2: expected 2 tab-separated fields, got 1"):
+        cls_data.read_tsv(p)
+
+
+def test_sst2_files_and_wordpiece_match_bert_tokenizer(shared_dir):
+    data = shared_dir / "data"
+    dev = cls_data.read_tsv(data / "sst2" / "dev.tsv")
+    test = cls_data.read_tsv(data / "sst2" / "test.tsv", labelled=False)
+    assert len(dev) == 872 and sum(lab for _, lab in dev) == 444 and len(test) == 1821
+    tok = cls_data.wordpiece_tokenizer(data / "distilbert-vocab" / "vocab.txt")
+    sentences = [s for s, _ in dev[:200]]
+    ids, cut = cls_data.encode(tok, sentences, max_len=128)
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(data / "distilbert-vocab"))  # DistilBertTokenizer
+    assert ids == ref(sentences)["input_ids"] and cut == 0
+    batch = cls_data.collate(ids[:4], [1, 0, 1, 1])
+    assert batch["input_ids"].shape == (4, max(len(s) for s in ids[:4]))
+    assert (batch["attention_mask"].sum(1) == [len(s) for s in ids[:4]]).all()
+
+
+def _batches(cfg, n_steps, B=8, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_steps):
+        lens = rng.integers(3, 12, B)
+        labels = rng.integers(0, 2, B)
+        # learnable: label 1 sentences are made of words 7 and 8, label 0 of words 9 and 10
+        ids = [[1, *rng.integers(9 - 2 * lab, 11 - 2 * lab, n - 2), 2] for n, lab in zip(lens, labels)]
+        out.append(cls_data.collate(ids, labels.tolist()))
+    return out
+
+
+def _run(name, steps, base, cfg, batches, dropout: bool):
+    bk = lc.get_backend(name)
+    model = bk.DistilBertForSequenceClassification(cfg)
+    model.load_weights(base)
+    bk.inject_lora(
+        model,
+        lc.LoRATargetConfig(
+            r=4,
+            alpha=8,
+            target_modules=("q_lin", "v_lin"),
+            dropout=0.1 if dropout else 0.0,
+            modules_to_save=("classifier",),
+        ),
+    )
+    source = NumpyDropout(seed=11)
+    set_dropout_source(model, source)
+    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig(weight_decay=0.01))
+    losses = []
+    for step in range(steps):
+        source.reseed(step)
+        losses.append(bk.cls_train_step(model, opt, [batches[step]], lr=2e-3)["loss"])
+    return np.array(losses), bk.cls_predict(model, batches[0])
+
+
+def test_200_steps_jittor_vs_torch_shared_dropout():
+    cfg = PRESETS["tiny"]
+    base = init_weights(cfg, seed=0)
+    batches = _batches(cfg, 200)
+    lt, pt = _run("torch", 200, base, cfg, batches, dropout=True)
+    lj, pj = _run("jittor", 200, base, cfg, batches, dropout=True)
+    assert_close("DistilBERT LoRA 200 steps, shared dropout: loss jittor vs torch", lj, lt, 1e-4)
+    assert np.array_equal(pj, pt)
+    assert lt[-20:].mean() < 0.5 * lt[:20].mean()  # it learns
+    no_drop, _ = _run("torch", 20, base, cfg, batches, dropout=False)
+    assert np.abs(no_drop - lt[:20]).max() > 1e-4  # the masks do act
+
+
+def test_prepare_and_evaluate_peft_adapter_both_backends(shared_dir, tmp_path):
+    """prepare -> evaluate with a peft adapter on a HF DistilBERT: dev accuracy and test
+    predictions of both backends equal those of transformers + peft."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from examples.cls import evaluate, prepare
+
+    src = shared_dir / "data" / "sst2"
+    (tmp_path / "sst2").mkdir()
+    for split, n in (("train", 20), ("dev", 60), ("test", 30)):
+        lines = (src / f"{split}.tsv").read_text(encoding="utf-8").split("\n")[: n + 1]
+        (tmp_path / "sst2" / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = prepare.prepare(
+        tmp_path / "sst2", shared_dir / "data" / "distilbert-vocab" / "vocab.txt", tmp_path / "enc"
+    )
+    assert summary["dev"]["n"] == 60 and summary["test"]["n"] == 30
+    torch.manual_seed(0)
+    hf = tf.DistilBertForSequenceClassification(
+        tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+    ).eval()
+    with torch.no_grad():  # larger weights: the first token's state depends on the sentence
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path / "base")
+    theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"],
+                                 modules_to_save=["classifier"], init_lora_weights=False)).eval()  # fmt: skip
+    ids, labels = prepare.read_prepared(tmp_path / "enc" / "dev.jsonl")
+
+    def logits():
+        with torch.no_grad():
+            return np.concatenate([theirs(**{k: torch.from_numpy(v) for k, v in cls_data.collate(ids[i : i + 16]).items()})
+                                   .logits.numpy() for i in range(0, len(ids), 16)])  # fmt: skip
+
+    diff = logits() @ np.array([-1.0, 1.0])
+    with torch.no_grad():  # centre the classifier's decision on this data: both classes predicted
+        theirs.base_model.model.classifier.modules_to_save["default"].bias[1] -= float(np.median(diff))
+    theirs.save_pretrained(tmp_path / "peft")
+    want = logits().argmax(-1)
+    assert 0 < want.sum() < len(want)  # both classes predicted: the comparison is not trivial
+    for name in ("torch", "jittor"):
+        m = evaluate.evaluate(name, tmp_path / "base", tmp_path / "peft", tmp_path / "enc", tmp_path / name)
+        assert m["dev_accuracy"] == cls_data.accuracy(want, labels) and m["dev_n"] == 60
+        got = np.loadtxt(tmp_path / name / "dev_predictions.tsv", skiprows=1, dtype=np.int64)[:, 1]
+        assert np.array_equal(got, want), name
+    assert (tmp_path / "torch" / "test_predictions.tsv").read_text() == (
+        tmp_path / "jittor" / "test_predictions.tsv"
+    ).read_text()
