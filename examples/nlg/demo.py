@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +44,22 @@ from lora_core.toy import make_toy_dataset, train_toy_tokenizer
 from lora_core.trainer import read_log, train
 
 from .beam import decode_contexts, write_beam_jsonl
+
+
+def pin_threads(n: int) -> None:
+    """Run torch and jittor with ``n`` threads, whatever the machine's core count.
+
+    A float32 sum split over a different number of threads rounds differently; 800 training
+    updates amplify that, so the demo's scores depend on the thread count (measured on the
+    README's machine: BLEU 0.9278 with 2 threads, 0.9050 with 1). Both frameworks read
+    ``OMP_NUM_THREADS`` when they are first imported, which the demo does only after this
+    (called from Python after importing them: torch is set directly, jittor keeps its count)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    if "jittor" in sys.modules:
+        print(f"note: jittor was imported before the demo set {n} thread(s); it keeps its own count", file=sys.stderr)
 
 
 def prepare_data(out: Path, data_dir: Path | None):
@@ -189,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300, help="LoRA training steps per backend")
     p.add_argument("--test-limit", type=int, default=50, help="test MRs to decode (0: all)")
     p.add_argument("--preset", default="demo", help="GPT-2 size preset for the base")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads for torch and jittor (default 1: the figures depend on it, see pin_threads)")
     a = p.parse_args(argv)
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
+    pin_threads(a.threads)
     t_start = time.time()
     tok, recs, data_name = prepare_data(a.out, a.data_dir)
     half = len(recs["train"]) // 2
