@@ -118,7 +118,7 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None
     """
     path = Path(path)
     wpath = _find_weights(path)
-    raw = read_tensors(wpath)
+    raw = read_tensors(wpath, mmap=True)  # frozen base: ranks share its pages
     tensors = {}
     lm_head = None
     for k, v in raw.items():
@@ -158,7 +158,7 @@ def load_model(path: str | os.PathLike) -> tuple[GPT2Config, LoRAConfig | None, 
     with _config_errors(path / MODEL_CONFIG, "model config"):
         lora = LoRAConfig.from_dict(meta["lora"]) if meta.get("lora") else None
         cfg = GPT2Config.from_dict({k: v for k, v in meta.items() if k not in ("model_type", "lora_core_format", "lora")})
-    tensors = read_tensors(path / MODEL_WEIGHTS)
+    tensors = read_tensors(path / MODEL_WEIGHTS, mmap=True)
     check_tensors(path / MODEL_WEIGHTS, tensors, dict(base_shapes(cfg), **(lora_shapes(cfg, lora) if lora else {})))
     return cfg, lora, tensors
 

@@ -179,7 +179,7 @@ def load_distilbert_checkpoint(
         if not cfg_json.is_file():
             raise CheckpointError(f"{wpath}: no config.json beside it; pass a DistilBertConfig")
         cfg = DistilBertConfig.from_hf_json(cfg_json, num_labels)
-    raw = read_tensors(wpath)
+    raw = read_tensors(wpath, mmap=True)
     mlm = [k for k in raw if k in MLM_HEAD_KEYS]
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items() if k not in MLM_HEAD_KEYS}
     has_head = any(k in tensors for k in HEAD_KEYS)

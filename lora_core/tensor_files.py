@@ -26,8 +26,9 @@ class CheckpointError(ValueError):
     """A checkpoint file is damaged or does not fit the model: names the file and the problem."""
 
 
-def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def read_tensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, np.ndarray]:
     """Tensors of a ``.safetensors`` or ``torch.save`` file as numpy arrays (no torch needed).
+    ``mmap``: memory-map a ``.safetensors`` file (for frozen base weights; see ``read_safetensors``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -37,22 +38,57 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     if path.endswith(".safetensors"):
-        return read_safetensors(path)
+        return read_safetensors(path, mmap)
     from .torch_pickle import load_torch_file
 
     return load_torch_file(path)
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """``safetensors.numpy.load_file``, its errors re-raised with the path and a diagnosis."""
-    from safetensors import SafetensorError
+_MMAP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file; errors re-raised with the path and a diagnosis.
+
+    ``mmap``: the arrays are copy-on-write memory maps of the file (the library checks the
+    header first), so processes that load the same frozen base share its pages in the page
+    cache instead of each reading a private copy; files with a dtype numpy lacks (BF16) are
+    read by ``safetensors.numpy.load_file`` instead. Only for files nobody rewrites in place
+    while the arrays are in use (a base checkpoint): the maps follow the file."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     try:
+        if mmap:
+            with safe_open(str(path), framework="numpy") as f:  # validates the header and offsets
+                f.keys()
+            maps = _memory_maps(path)
+            if maps is not None:
+                return maps
         return load_file(str(path))
     except SafetensorError as e:
         why = diagnose_safetensors(path) or f"unreadable safetensors file ({e})"
         raise CheckpointError(f"{path}: {why}") from e
+
+
+def _memory_maps(path) -> dict[str, np.ndarray] | None:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    if any(v["dtype"] not in _MMAP_DTYPES for v in header.values()):
+        return None
+    out = {}
+    for name, v in header.items():
+        start, end = v["data_offsets"]
+        dtype, shape = np.dtype(_MMAP_DTYPES[v["dtype"]]).newbyteorder("<"), tuple(v["shape"])
+        if end == start:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
+            out[name] = m.view(np.ndarray).reshape(shape)  # a plain array over the map (kept alive)
+    return out
 
 
 def diagnose_safetensors(path: str | os.PathLike) -> str | None:

@@ -231,3 +231,40 @@ def test_resume_without_an_intact_checkpoint(tmp_path):
     (tmp_path / "run" / "latest").write_bytes(b"\xff\x00ckpt")  # a garbled pointer: damage too
     with pytest.raises(CheckpointError, match="damaged pointer file"):
         resume_point(tmp_path / "run", CFG, LORA)
+
+
+def test_safetensors_read_as_copy_on_write_memory_maps(tmp_path):
+    """A base read from .safetensors is memory-mapped (ranks share its pages), equal to the
+    library's copy, and writable without touching the file."""
+    import mmap
+
+    from safetensors.numpy import load_file, save_file
+
+    from lora_core.tensor_files import read_safetensors
+
+    path = tmp_path / "m.safetensors"
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "t": np.array(3, dtype=np.int64),
+               "e": np.zeros((0, 2), np.float32)}
+    save_file(tensors, str(path))
+    got = read_safetensors(path, mmap=True)
+    ref = load_file(str(path))
+    assert got.keys() == ref.keys() and all(np.array_equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)
+    base = got["w"]
+    while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    assert isinstance(base, mmap.mmap), type(base)
+    got["w"][0, 0] = 99.0
+    assert read_safetensors(path, mmap=True)["w"][0, 0] == 0.0
+
+
+def test_base_model_is_memory_mapped(tmp_path):
+    """The frozen base of a ``save_model`` folder (as of an HF ``model.safetensors``) is read as maps."""
+    import mmap
+
+    cfg = lc.gpt2_config("tiny-32")
+    save_model(tmp_path / "base", cfg, lc.init_gpt2_weights(cfg))
+    _, _, tensors = lc.load_model(tmp_path / "base")
+    base = tensors["wte.weight"]
+    while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    assert isinstance(base, mmap.mmap), type(base)

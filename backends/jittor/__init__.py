@@ -7,11 +7,14 @@ driver is present. It never imports torch.
 from __future__ import annotations
 
 from ._env import configure as _configure
+from ._env import import_jittor as _import_jittor
 
 _configure()
+_import_jittor()
 
 from lora_core import build as _build
 
+from ._gpu_check import ensure_gpu_ok as _ensure_gpu_ok
 from .distributed import (
     all_reduce_sum,
     data_parallel,
@@ -41,11 +44,13 @@ NAME = "jittor"
 
 def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = True):
     """A ``GPT2LMModel`` holding ``base`` (+ LoRA values); see ``lora_core.build.build_model``."""
+    _ensure_gpu_ok()
     return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
     """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.build.from_pretrained``."""
+    _ensure_gpu_ok()
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
 

@@ -30,3 +30,16 @@ def configure() -> None:
     if "nvcc_path" not in os.environ and not cuda_driver_present():
         os.environ["nvcc_path"] = ""
     os.environ.setdefault("log_silent", "1")
+
+
+def import_jittor() -> None:
+    """Import jittor; on a machine with an NVIDIA driver a crash there (jittor compiling its
+    CUDA sources against an unsupported toolkit) becomes ``GPUSelfCheckError`` naming it."""
+    try:
+        import jittor  # noqa: F401
+    except Exception as e:
+        if os.environ.get("nvcc_path") == "" or not cuda_driver_present():
+            raise
+        from lora_core.gpu_check import self_check_error
+
+        raise self_check_error("jittor", f"importing jittor failed: {type(e).__name__}: {str(e).strip()[:500]}") from e

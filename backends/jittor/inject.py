@@ -94,6 +94,9 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
 
 def inject_lora(model: nn.Module, config) -> list[str]:
     """Put LoRA on the modules ``config`` targets and freeze all but what it trains."""
+    from ._gpu_check import ensure_gpu_ok
+
+    ensure_gpu_ok()
     inj = inject(model, config, _describe, _replace, match_prefix="")
     mark_only_lora_trainable(model)
     return list(inj.plans)

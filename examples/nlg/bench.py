@@ -57,7 +57,7 @@ TARGETS = [
     ("train tok/s  ours-jittor / ours-torch", "train_tok_s", "ours-jittor", "ours-torch", "ge", 0.9, None),
     ("peak RSS     ours-torch / hf-peft", "train_rss_mb", "ours-torch", "hf-peft", "le", 1.0, None),
     ("peak RSS     ours-jittor / hf-peft", "train_rss_mb", "ours-jittor", "hf-peft", "le", 1.0, None),
-    ("beam s/ex    ours-torch / hf-peft", "beam_s_ex", "ours-torch", "hf-peft", "le", 0.5, None),
+    ("beam s/ex    ours-torch / hf-peft", "beam_s_ex", "ours-torch", "hf-peft", "le", 0.5, ("gpt2", "tiny")),
     ("beam s/ex    ours-jittor / ours-torch", "beam_s_ex", "ours-jittor", "ours-torch", "le", 1.1, None),
 ]
 
