@@ -39,6 +39,8 @@ __all__ = [
     "DistributedError",
     "discover_world",
     "start_job",
+    "Job",
+    "run_job",
     "report_error",
     "report_exception",
     "shard_range",
@@ -317,6 +319,42 @@ def report_exception(comm: Comm) -> int:
     traceback.print_exc()
     text = "stopped by the exception above (a broken connection means another process of the job failed first)"
     return report_error(comm, text)
+
+
+class Job:
+    """What :func:`run_job` hands a command's body: ``start(backend, timeout_s)`` joins the job
+    (:func:`start_job`) and keeps the ``Comm`` for the error report and the end."""
+
+    def __init__(self):
+        self.comm: Comm | None = None
+
+    def start(self, backend, timeout_s: float = 300.0) -> Comm:
+        self.comm = start_job(backend, timeout_s)
+        return self.comm
+
+
+def run_job(body) -> int:
+    """Run a command's ``body(job) -> text`` as one process of a job (or alone); its exit status.
+
+    ``text`` is printed by rank 0 at the end. Bad input (``ValueError``, ``OSError``,
+    ``DistributedError``; ``CheckpointError`` and ``DataFormatError`` are ``ValueError``) becomes
+    ``error: ...`` and status 1 (:func:`report_error`); another exception is re-raised alone and
+    reported with its traceback in a job (:func:`report_exception`). A job's process group is
+    shut down after a normal end."""
+    job = Job()
+    try:
+        text = body(job)
+    except (ValueError, OSError, DistributedError) as e:
+        return report_error(job.comm, str(e))
+    except Exception:
+        if job.comm is None or not job.comm.world.parallel:
+            raise
+        return report_exception(job.comm)
+    if job.comm.world.parallel:
+        job.comm.ops.shutdown_process_group()
+    if job.comm.world.is_main:
+        print(text)
+    return 0
 
 
 # --------------------------------------------------------------------------- beam outputs

@@ -14,7 +14,7 @@ from lora_core.checkpoint import check_tensors
 from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint, pack_indices
 
 from ._kernels import bmm, bmm_nt, softmax_scaled
-from .lora import assign_keep_grad
+from .lora import TrainEvalMixin, assign_keep_grad
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
@@ -139,7 +139,7 @@ class DistilBertModel(nn.Module):
         return h, packed
 
 
-class DistilBertForSequenceClassification(nn.Module):
+class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
     """``transformers.DistilBertForSequenceClassification`` (see ``backends.torch.distilbert``)."""
 
     def __init__(self, cfg: DistilBertConfig):
@@ -148,16 +148,6 @@ class DistilBertForSequenceClassification(nn.Module):
         self.pre_classifier = nn.Linear(cfg.dim, cfg.dim)
         self.classifier = nn.Linear(cfg.dim, cfg.num_labels)
         self.dropout = Dropout(cfg.seq_classif_dropout)
-
-    def train(self):
-        for m in self.modules():
-            m.is_train = True
-        return self
-
-    def eval(self):
-        for m in self.modules():
-            m.is_train = False
-        return self
 
     def execute(self, input_ids: jt.Var, attention_mask: jt.Var | None = None) -> jt.Var:
         h = self.distilbert.first_token(input_ids, attention_mask)  # (B, E)

@@ -16,6 +16,7 @@ from lora_core import adapter_io, injection
 from lora_core.injection import inject, injection_of, require_injection
 from lora_core.targeting import LayerPlan, TargetError
 
+from ._gpu_check import ensure_gpu_ok
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
 
 
@@ -94,8 +95,6 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
 
 def inject_lora(model: nn.Module, config) -> list[str]:
     """Put LoRA on the modules ``config`` targets and freeze all but what it trains."""
-    from ._gpu_check import ensure_gpu_ok
-
     ensure_gpu_ok()
     inj = inject(model, config, _describe, _replace, match_prefix="")
     mark_only_lora_trainable(model)

@@ -22,6 +22,21 @@ def assign_keep_grad(p: jt.Var, value: jt.Var) -> None:
     p.requires_grad = trains
 
 
+class TrainEvalMixin:
+    """``train()``/``eval()`` that only switch ``is_train`` on every module: jittor's own also
+    change which parameters train, and trainability belongs to ``mark_only_lora_as_trainable``."""
+
+    def train(self):
+        for m in self.modules():
+            m.is_train = True
+        return self
+
+    def eval(self):
+        for m in self.modules():
+            m.is_train = False
+        return self
+
+
 def _dropout(p: float):
     return nn.Dropout(p) if p > 0 else nn.Identity()
 

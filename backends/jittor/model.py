@@ -21,7 +21,15 @@ from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
 from ._kernels import bmm, bmm_nt, grow_rows, rows_dot, softmax_scaled
-from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad, linear_decode, pack_weight
+from .lora import (
+    LoRAEmbedding,
+    LoRALinear,
+    LoRAMergedLinear,
+    TrainEvalMixin,
+    assign_keep_grad,
+    linear_decode,
+    pack_weight,
+)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -162,7 +170,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), present
 
 
-class GPT2LMModel(nn.Module):
+class GPT2LMModel(TrainEvalMixin, nn.Module):
     """GPT-2 with a tied LM head and optional LoRA layers."""
 
     peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
@@ -183,16 +191,6 @@ class GPT2LMModel(nn.Module):
         each linear layer and the LM head use a materialised (in, out) copy of their weight
         with the LoRA update added. The parameters are untouched."""
         return decoding_weights(self, pack_weight, jt.no_grad, rows)
-
-    def train(self):
-        for m in self.modules():
-            m.is_train = True
-        return self
-
-    def eval(self):
-        for m in self.modules():
-            m.is_train = False
-        return self
 
     def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
         """Final hidden states (B, T, E) and the new KV cache."""

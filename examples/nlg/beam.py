@@ -20,16 +20,8 @@ import dataclasses
 from pathlib import Path
 
 import lora_core
-from lora_core.checkpoint import CheckpointError
 from lora_core.data import group_references, read_formatted, write_jsonl_atomic
-from lora_core.distributed import (
-    DistributedError,
-    batch_shard,
-    gather_outputs,
-    report_error,
-    report_exception,
-    start_job,
-)
+from lora_core.distributed import batch_shard, gather_outputs, run_job
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.tokenizer import load_tokenizer
 
@@ -59,10 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
     a = p.parse_args(argv)
-    comm = None
-    try:
+    def body(job) -> str:
         backend = lora_core.get_backend(a.backend)
-        comm = start_job(backend, a.dist_timeout)
+        comm = job.start(backend, a.dist_timeout)
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
         model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False)
@@ -72,18 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                                progress=comm.world.is_main)
         outputs = gather_outputs(comm, mine, start, len(groups))
         comm.on_main(write_beam_jsonl, a.out, outputs)
-    except (ValueError, OSError, CheckpointError, DistributedError) as e:
-        return report_error(comm, str(e))
-    except Exception:
-        if comm is None or not comm.world.parallel:
-            raise
-        return report_exception(comm)
-    if comm.world.parallel:
-        backend.shutdown_process_group()
-    if comm.world.is_main:
-        print(f"wrote {len(outputs)} beams to {a.out}")
-    return 0
+        return f"wrote {len(outputs)} beams to {a.out}"
 
+    return run_job(body)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.checkpoint import CheckpointError, save_model
+from lora_core.checkpoint import save_model
 from lora_core.data import read_encoded
-from lora_core.distributed import DistributedError, report_error, report_exception, start_job
+from lora_core.distributed import run_job
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.trainer import train
 
@@ -99,15 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab_size and not args.random_init:
         parser.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
 
-    comm = None
-    try:
+    def body(job) -> str:
         recipe = get_recipe(args.recipe)
         args.recipe_model = recipe.model
         cfg = apply_overrides(recipe.train, [kv for group in args.overrides for kv in group])
         if args.max_steps is not None:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         backend = lora_core.get_backend(args.backend)
-        comm = start_job(backend, args.dist_timeout)
+        comm = job.start(backend, args.dist_timeout)
         train_data = read_encoded(args.train)
         valid_data = read_encoded(args.valid) if args.valid else None
         model, note = build(backend, args, cfg.lora_config(), comm)
@@ -125,18 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             resume_from=args.resume_from,
             comm=comm,
         )
-    except (ValueError, OSError, CheckpointError, DistributedError) as e:  # DataFormatError: a ValueError
-        return report_error(comm, str(e))
-    except Exception:
-        if comm is None or not comm.world.parallel:
-            raise
-        return report_exception(comm)
-    if comm.world.parallel:
-        backend.shutdown_process_group()
-    if comm.world.is_main:
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-    return 0
+        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
 
+    return run_job(body)
 
 if __name__ == "__main__":
     sys.exit(main())
