@@ -130,24 +130,27 @@ class StepShard:
     tokens: int
 
 
-def _input_tokens(pair) -> int:
-    return len(pair[0]) + len(pair[1]) - 1  # the model reads seq[:-1]
+def _lm_sizes(pair) -> tuple[int, int]:
+    """(loss positions, input tokens) of a ``(context, completion)`` pair: the completion
+    tokens, and the model reads seq[:-1]."""
+    return len(pair[1]), len(pair[0]) + len(pair[1]) - 1
 
 
-def shard_step(idx: np.ndarray, pairs, grad_accum: int, world: World) -> StepShard:
-    """Cut the global batch ``idx`` of ``pairs`` (``(context, completion)``) for ``world``."""
+def shard_step(idx: np.ndarray, examples, grad_accum: int, world: World, sizes=_lm_sizes) -> StepShard:
+    """Cut the global batch ``idx`` of ``examples`` for ``world``; ``sizes(example)`` gives
+    its (loss positions, input tokens) (default: ``(context, completion)`` pairs; a task's
+    ``sizes`` otherwise). Micro-batch weights follow the loss positions."""
     micro = np.array_split(idx, min(grad_accum, len(idx)))
     chunks, weights, rows = [], [], []
     for chunk in micro:
         a, b = shard_range(len(chunk), world.size, world.rank)
         if a == b:
             raise ValueError(f"a micro-batch of {len(chunk)} examples cannot give each of {world.size} processes one")
-        positions = [len(pairs[i][1]) for i in chunk]  # loss positions: the completion tokens
-        tokens = [_input_tokens(pairs[i]) for i in chunk]
+        positions, tokens = zip(*(sizes(examples[i]) for i in chunk))
         chunks.append(chunk[a:b])
         weights.append(sum(positions[a:b]) / sum(positions) / len(micro))
         rows.append((sum(tokens), sum(tokens[:a]), sum(tokens[a:b])))
-    total = int(sum(_input_tokens(pairs[i]) for i in idx))
+    total = int(sum(sizes(examples[i])[1] for i in idx))
     return StepShard(chunks, weights, rows, len(idx), total)
 
 

@@ -1,12 +1,17 @@
 """The files of a training run folder (``OUT``), shared by the trainer and the tools that
 read runs: ``train_config.json``, ``log.jsonl``, ``ckpt-{step}/`` and ``latest``.
 
-A checkpoint ``OUT/ckpt-{step}/`` holds the adapter (``save_adapter``), the optimizer moments
+A checkpoint ``OUT/ckpt-{step}/`` holds the adapter, the optimizer moments
 (``trainer_state.safetensors``) and ``trainer_state.json`` (position, schedule, RNG recipe).
 It is written in a hidden temp folder renamed into place, then the ``OUT/latest`` pointer is
 replaced atomically; temp leftovers of a killed run are ignored and removed. A checkpoint
 damaged later (a cut copy, a full disk) is never skipped silently: ``resume_point`` reports
 it with the newest earlier checkpoint that reads completely, to be resumed from explicitly.
+
+The adapter's files are the task's business (``lora_core.train_tasks``): the functions here
+take an ``adapter`` object with ``shapes()`` (name -> shape of every trained tensor),
+``write(folder, tensors)`` and ``read(folder) -> tensors`` (strict: a mismatch with the model
+raises ``ValueError``, a damaged file ``CheckpointError``).
 """
 
 from __future__ import annotations
@@ -25,13 +30,10 @@ from .checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CheckpointError,
-    adapter_shapes,
     atomic_write,
     check_tensors,
-    load_adapter,
     read_json,
     read_tensors,
-    save_adapter,
     write_json_atomic,
     write_safetensors_atomic,
 )
@@ -105,7 +107,7 @@ def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
 
 
 def resume_point(
-    out_dir: str | os.PathLike, model_config, lora_config, resume_from: str | os.PathLike | None = None
+    out_dir: str | os.PathLike, adapter, resume_from: str | os.PathLike | None = None
 ) -> tuple[Path, tuple] | None:
     """Where a resumed run continues: ``(path, read_checkpoint(path, ...))`` for the checkpoint
     ``OUT/latest`` names (without it, the highest ``ckpt-N``), read completely; None when the
@@ -126,7 +128,7 @@ def resume_point(
         path = Path(resume_from)
         if _step(path) is None or not path.is_dir() or path.resolve().parent != out_dir.resolve():
             raise ValueError(f"--resume-from {path}: not a ckpt-N folder of the run {out_dir}")
-        found = path, read_checkpoint(path, model_config, lora_config)
+        found = path, read_checkpoint(path, adapter)
         point_latest(out_dir, path)
         return found
     try:
@@ -135,19 +137,19 @@ def resume_point(
             return None
         if not path.is_dir():
             raise CheckpointError(f"{out_dir / LATEST_FILE} names {path.name}, which does not exist")
-        return path, read_checkpoint(path, model_config, lora_config)
+        return path, read_checkpoint(path, adapter)
     except CheckpointError as e:
-        raise CheckpointError(_damage_report(out_dir, path, e, model_config, lora_config)) from e
+        raise CheckpointError(_damage_report(out_dir, path, e, adapter)) from e
 
 
-def _damage_report(out_dir: Path, bad: Path | None, err: Exception, model_config, lora_config) -> str:
+def _damage_report(out_dir: Path, bad: Path | None, err: Exception, adapter) -> str:
     """The error of a damaged latest checkpoint, naming the newest earlier one that reads completely."""
     limit = _step(bad) if bad is not None and _step(bad) is not None else float("inf")
     earlier = [p for p in out_dir.glob("ckpt-*") if p.is_dir() and _step(p) is not None and _step(p) < limit]
     head = f"cannot resume: the latest checkpoint is damaged: {err}"
     for p in sorted(earlier, key=_step, reverse=True):
         try:
-            read_checkpoint(p, model_config, lora_config)
+            read_checkpoint(p, adapter)
         except (ValueError, OSError):  # CheckpointError is a ValueError
             continue
         return (
@@ -181,16 +183,17 @@ def remove_temp_files(out_dir: Path) -> None:
         shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
 
 
-def write_checkpoint(out_dir: Path, step: int, adapter: tuple, optimizer_state: dict, meta: dict) -> Path:
+def write_checkpoint(
+    out_dir: Path, step: int, adapter, tensors: dict, optimizer_state: dict, meta: dict
+) -> Path:
     """Write ``out_dir/ckpt-{step}`` atomically and point ``latest`` at it.
 
-    ``adapter`` is ``(model_config, lora_config, tensors, base_note)`` for ``save_adapter``;
-    ``meta`` goes into ``trainer_state.json`` (with the format version and the time)."""
+    ``adapter.write(folder, tensors)`` writes the adapter; ``meta`` goes into
+    ``trainer_state.json`` (with the format version and the time)."""
     name = f"ckpt-{step}"
     final = out_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir))
-    model_cfg, lora_cfg, tensors, base = adapter
-    save_adapter(tmp, model_cfg, lora_cfg, tensors, base=base)
+    adapter.write(tmp, tensors)
     write_safetensors_atomic(tmp / STATE_TENSORS, optimizer_state)
     write_json_atomic(tmp / STATE_JSON, {"format": FORMAT_VERSION, **meta, "time": time.time()})
     if final.exists():  # a save of this step from a run killed before it updated `latest`
@@ -202,10 +205,10 @@ def write_checkpoint(out_dir: Path, step: int, adapter: tuple, optimizer_state: 
     return final
 
 
-def read_checkpoint(path, model_config, lora_config) -> tuple[dict, dict, dict]:
+def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
     """Adapter tensors, optimizer state and ``trainer_state.json`` of a checkpoint folder, every
-    file read completely and checked; strict: the adapter must have been trained with
-    ``lora_config`` on ``model_config``.
+    file read completely and checked; strict: ``adapter.read`` refuses an adapter of another
+    model or LoRA config.
 
     Raises:
         CheckpointError: a file is missing, cut short, garbled or holds the wrong tensors.
@@ -215,13 +218,9 @@ def read_checkpoint(path, model_config, lora_config) -> tuple[dict, dict, dict]:
     missing = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_TENSORS, STATE_JSON) if not (path / n).is_file()]
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
-    lora, cfg, tensors, _ = load_adapter(path)
-    if lora != lora_config or cfg != model_config:
-        raise ValueError(
-            f"{path}: adapter was trained with {lora} on {cfg}, the model has {lora_config} on {model_config}"
-        )
+    tensors = adapter.read(path)
     opt = read_tensors(path / STATE_TENSORS)
-    expected = {f"{k}.{n}": shape for n, shape in adapter_shapes(cfg, lora).items() for k in ("m", "v")}
+    expected = {f"{k}.{n}": shape for n, shape in adapter.shapes().items() for k in ("m", "v")}
     check_tensors(path / STATE_TENSORS, opt, {**expected, "t": (1,)})  # safetensors writers make scalars 1-d
     opt["t"] = opt["t"].reshape(())
     meta = read_json(path / STATE_JSON)

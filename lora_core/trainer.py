@@ -1,6 +1,10 @@
-"""The training loop of the NLG experiments, framework-agnostic and resumable.
+"""The training loop, framework-agnostic, task-agnostic and resumable.
 
-Semantics of the LoRA paper's ``examples/NLG/src/gpt2_ft.py`` (microsoft/LoRA), through the
+What is trained is a task's business (``lora_core.train_tasks``: examples, batches, the
+update's loss, evaluation, adapter files): ``LMTask`` for the NLG experiments (the default),
+``ClassificationTask`` for DistilBERT on SST-2. The loop below never looks inside an example.
+
+For the NLG experiments it has the semantics of the LoRA paper's ``examples/NLG/src/gpt2_ft.py`` (microsoft/LoRA), through the
 backend contract only (``AdamW``, ``train_step``, ``eval_nll``, ``manual_seed``,
 ``lora_state_dict``, ``load_partial``): batches of ``batch_size`` examples in a seeded
 order per epoch, ``epochs x ceil(N / batch_size)`` updates, the lr of update ``s`` (0-based)
@@ -43,13 +47,13 @@ import os
 import signal
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
-from .batching import collate
 from .checkpoint import atomic_write, write_json_atomic
-from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_range, shard_step
+from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
 from .dropout import NumpyDropout
 from .layers import lora_layers
 from .recipes import TrainConfig
@@ -59,7 +63,6 @@ from .run_dir import (
     LOG_FILE,
     config_diff,
     find_checkpoint,
-    fingerprint,
     read_checkpoint,
     read_log,
     remove_temp_files,
@@ -67,6 +70,7 @@ from .run_dir import (
     write_checkpoint,
 )
 from .schedule import lr_at
+from .train_tasks import LMTask, task_for
 
 __all__ = [
     "Trainer",
@@ -114,11 +118,6 @@ def dropout_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
-def _pairs(examples) -> list[tuple[list[int], list[int]]]:
-    """``(context, completion)`` pairs from pairs or ``read_encoded`` records."""
-    return [(e["context"], e["completion"]) if isinstance(e, dict) else (e[0], e[1]) for e in examples]
-
-
 def _peak_rss_mb() -> float | None:
     try:
         import resource
@@ -131,23 +130,14 @@ def _peak_rss_mb() -> float | None:
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None, comm: Comm | None = None) -> dict:
-    """Plain NLL per completion token (and perplexity) over ``examples``; batches are formed
-    in length order so that dynamic padding wastes little (with ``comm``: shared by the ranks)."""
-    pairs = _pairs(examples)
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
-    starts = range(0, len(order), batch_size)
-    if comm is not None and comm.world.parallel:
-        starts = starts[slice(*shard_range(len(starts), comm.world.size, comm.world.rank))]
-    total, count = 0.0, 0
-    for s in starts:
-        batch = collate([pairs[i] for i in order[s : s + batch_size]], pad_to=pad_to, max_len=model.config.n_positions)
-        nll, n = backend.eval_nll(model, batch)
-        total, count = total + nll, count + n
-    if comm is not None and comm.world.parallel:
-        total, count = comm.all_reduce_sum([total, count])
-    mean = total / max(count, 1)
-    return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": int(count)}
+def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None, comm: Comm | None = None,
+             task=None) -> dict:
+    """The task's validation figures over ``examples`` (default task: ``task_for(model)``; for
+    the LM, plain NLL per completion token and perplexity), batches in length order (with
+    ``comm``: shared by the ranks)."""
+    task = task or task_for(model)
+    cfg = types.SimpleNamespace(pad_to=pad_to)
+    return task.evaluate(backend, model, task.examples(examples), batch_size, cfg, comm)
 
 
 @dataclasses.dataclass
@@ -166,12 +156,16 @@ class Trainer:
 
     Args:
         backend: a backend module (``lora_core.get_backend(name)``).
-        model: a LoRA model of that backend (``model.config``, ``model.lora_config``).
+        model: a LoRA model of that backend: a GPT-2 built with ``lora=`` (``model.config``,
+            ``model.lora_config``), or any model after ``inject_lora`` (with the
+            classification task).
         cfg: the training recipe.
         out_dir: run folder (created).
         progress: show a tqdm bar (rank 0 only).
         base_note: which base weights the adapter belongs to (stored in its config).
         comm: the job of several processes (``lora_core.distributed.start_job``); default one.
+        task: what is trained (``lora_core.train_tasks``); default ``task_for(model)``: the
+            causal LM for GPT-2, classification for an injected classifier.
     """
 
     def __init__(
@@ -183,28 +177,37 @@ class Trainer:
         progress: bool = True,
         base_note: str | None = None,
         comm: Comm | None = None,
+        task=None,
     ):
-        if getattr(model, "lora_config", None) is None:
+        self.task = task or task_for(model)
+        if isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None:
             raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
-        if cfg.pad_to is not None and cfg.pad_to > model.config.n_positions:
-            raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's n_positions={model.config.n_positions}")
+        self.task.check_config(cfg, model)
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()
         self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
-        self.dp = backend.data_parallel(model) if self.comm.world.parallel else None  # may move it to a GPU
+        if self.comm.world.parallel and cfg.dropout_masks == "numpy" and not self.task.sharded_dropout_masks:
+            raise ValueError(
+                f"dropout_masks='numpy' (parity mode) runs on one process for the {self.task.name} task: "
+                "use dropout_masks='framework' with several processes"
+            )
+        self.dp = backend.data_parallel(model, self.task.loss) if self.comm.world.parallel else None  # may move it to a GPU
         self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
         self.state = TrainerState()
 
     # ---------------------------------------------------------------- run set-up
 
-    def _run_config(self, pairs) -> dict:
+    def _run_config(self, examples) -> dict:
         return {
+            "task": self.task.name,
             "train": self.cfg.to_dict(),
-            "model": self.model.config.to_dict(),
-            "lora": self.model.lora_config.to_dict(),
+            **self.task.describe(self.model),
             "base": self.base_note,
-            "data": {"n_train": len(pairs), "sha256": fingerprint(pairs)},
+            "data": {"n_train": len(examples), "sha256": self.task.fingerprint(examples)},
         }
+
+    def _adapter_files(self):
+        return self.task.adapter_files(self.backend, self.model, self.base_note)
 
     def _prepare_dir(self, pairs, resume: bool, resume_from=None) -> None:
         out, run = self.out_dir, self._run_config(pairs)
@@ -224,7 +227,7 @@ class Trainer:
                     )
                 raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
         write_json_atomic(old, run)
-        found = resume_point(out, self.model.config, self.model.lora_config, resume_from) if resume else None
+        found = resume_point(out, self._adapter_files(), resume_from) if resume else None
         if found is not None:
             self._restore(*found[1])
         if resume:  # drop log lines past the checkpoint: the resumed run writes them again
@@ -273,12 +276,14 @@ class Trainer:
             "backend": self.backend.NAME,
             "world_size": self.comm.world.size,
         }
-        adapter = (self.model.config, self.model.lora_config, self.backend.lora_state_dict(self.model), self.base_note)
-        return self.comm.on_main(write_checkpoint, self.out_dir, s.step, adapter, self.optimizer.state_numpy(), meta)
+        tensors = self.backend.lora_state_dict(self.model)
+        return self.comm.on_main(
+            write_checkpoint, self.out_dir, s.step, self._adapter_files(), tensors, self.optimizer.state_numpy(), meta
+        )
 
     def load_checkpoint(self, path) -> None:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
-        self._restore(*read_checkpoint(path, self.model.config, self.model.lora_config))
+        self._restore(*read_checkpoint(path, self._adapter_files()))
 
     def _restore(self, tensors: dict, opt: dict, meta: dict) -> None:
         self.model.load_partial(tensors)
@@ -293,8 +298,9 @@ class Trainer:
         """Train to ``total_steps``; returns a summary (last step, loss, valid NLL, checkpoint).
 
         Args:
-            train_examples, valid_examples: ``(context_ids, completion_ids)`` pairs or
-                ``read_encoded`` records.
+            train_examples, valid_examples: the task's examples (LM: ``(context_ids,
+                completion_ids)`` pairs or ``read_encoded`` records; classification:
+                ``(token_ids, label)`` or ``{"ids", "label"}`` records).
             resume: continue from ``OUT/latest`` (a fresh start if none was saved yet); a
                 damaged latest checkpoint raises ``CheckpointError`` naming the newest
                 intact one.
@@ -304,9 +310,9 @@ class Trainer:
                 kills itself with SIGKILL, as a crash would.
         """
         cfg, be, model = self.cfg, self.backend, self.model
-        pairs = _pairs(train_examples)
-        valid = _pairs(valid_examples or [])[: cfg.eval_limit]
-        self._check_ids(pairs + valid)
+        pairs = self.task.examples(train_examples)
+        valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
+        self.task.check(pairs + valid, model)
         self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
@@ -315,6 +321,7 @@ class Trainer:
                 "kind": "start",
                 "step": s.step,
                 "backend": be.NAME,
+                "task": self.task.name,
                 "resumed": s.step > 0,
                 "total_steps": total,
                 "steps_per_epoch": per_epoch,
@@ -381,20 +388,18 @@ class Trainer:
     def _update(self, pairs, idx, lr: float, masks) -> tuple[dict, int]:
         """One optimizer update on the global batch ``idx``; returns the backend's result (global
         loss) and the batch's real input tokens."""
-        cfg, be, model = self.cfg, self.backend, self.model
+        cfg, be, model, task = self.cfg, self.backend, self.model, self.task
         if self.dp is None:
             micro = [
-                collate([pairs[i] for i in chunk], pad_to=cfg.pad_to, max_len=model.config.n_positions)
+                task.collate([pairs[i] for i in chunk], cfg, model)
                 for chunk in np.array_split(idx, min(cfg.grad_accum, len(idx)))
             ]
-            out = be.train_step(model, self.optimizer, micro, lr, cfg.label_smooth, cfg.max_grad_norm)
+            out = task.train_step(be, model, self.optimizer, micro, lr, cfg)
             return out, int(sum(int(mb["n_tokens"]) for mb in micro))
-        shard = shard_step(idx, pairs, cfg.grad_accum, self.comm.world)
+        shard = shard_step(idx, pairs, cfg.grad_accum, self.comm.world, task.sizes)
         if masks is not None:
             masks.plan(shard.dropout_rows, sum(1 for m in lora_layers(model) if getattr(m, "p", 0) > 0))
-        micro = [
-            collate([pairs[i] for i in c], pad_to=cfg.pad_to, max_len=model.config.n_positions) for c in shard.chunks
-        ]
+        micro = [task.collate([pairs[i] for i in c], cfg, model) for c in shard.chunks]
         out = be.parallel_train_step(
             self.dp, self.optimizer, micro, shard.weights, lr, cfg.label_smooth, cfg.max_grad_norm
         )
@@ -435,7 +440,7 @@ class Trainer:
 
     def _evaluate(self, valid, per_epoch: int) -> dict:
         t0 = time.perf_counter()
-        res = evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg.pad_to, self.comm)
+        res = self.task.evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg, self.comm)
         self._log(
             {
                 "kind": "eval",
@@ -446,15 +451,6 @@ class Trainer:
             }
         )
         return res
-
-    def _check_ids(self, pairs) -> None:
-        V = self.model.config.vocab_size
-        top = max((max([*c, *t], default=-1) for c, t in pairs), default=-1)
-        if top >= V:
-            raise ValueError(
-                f"the data holds token id {top}, outside the model's vocabulary of {V} "
-                f"(wrong tokenizer, or a random-init model with too small a vocab_size?)"
-            )
 
 
 def _progress(total: int, initial: int, name: str, enabled: bool):
@@ -485,6 +481,7 @@ def train(
     kill_after: int | None = None,
     resume_from=None,
     comm: Comm | None = None,
+    task=None,
 ) -> dict:
     """Train ``model`` with ``cfg`` into ``out_dir``; see :class:`Trainer` and :meth:`Trainer.fit`.
 
@@ -492,5 +489,5 @@ def train(
     """
     if max_steps is not None:
         cfg = dataclasses.replace(cfg, max_steps=max_steps)
-    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note, comm=comm)
+    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note, comm=comm, task=task)
     return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after, resume_from=resume_from)

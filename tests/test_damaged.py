@@ -19,8 +19,10 @@ from lora_core.decode import read_beam_jsonl
 from lora_core.naming import TRANSPOSED
 from lora_core.optim import pack_state
 from lora_core.run_dir import read_checkpoint, resume_point, write_checkpoint
+from lora_core.train_tasks import GPT2AdapterFiles
 
 CFG, LORA = lc.gpt2_config("tiny-32"), lc.LoRAConfig(r=2)
+ADAPTER = GPT2AdapterFiles(CFG, LORA)
 
 
 def cut(path: Path) -> None:
@@ -81,10 +83,8 @@ def _checkpoint(d: Path):
     moments = {n: np.full(s, 0.5, np.float32) for n, s in shapes.items()}
     meta = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "examples_seen": 12, "tokens_seen": 99}
     d.mkdir()
-    ckpt = write_checkpoint(
-        d, 3, (CFG, LORA, lc.init_lora_weights(CFG, LORA), None), pack_state(moments, moments, 3), meta
-    )
-    return ckpt, lambda: read_checkpoint(ckpt, CFG, LORA)
+    ckpt = write_checkpoint(d, 3, ADAPTER, lc.init_lora_weights(CFG, LORA), pack_state(moments, moments, 3), meta)
+    return ckpt, lambda: read_checkpoint(ckpt, ADAPTER)
 
 
 def _trainer_tensors(d: Path):
@@ -224,13 +224,13 @@ def test_resume_without_an_intact_checkpoint(tmp_path):
     garbage(tmp_path / "run" / "ckpt-1" / "adapter_config.json")
     (ckpt / "trainer_state.json").unlink()
     with pytest.raises(CheckpointError) as e:
-        resume_point(tmp_path / "run", CFG, LORA)
+        resume_point(tmp_path / "run", ADAPTER)
     msg = str(e.value)
     assert f"{ckpt}: incomplete checkpoint, missing ['trainer_state.json']" in msg, msg
     assert "No earlier checkpoint" in msg and "reads completely" in msg, msg
     (tmp_path / "run" / "latest").write_bytes(b"\xff\x00ckpt")  # a garbled pointer: damage too
     with pytest.raises(CheckpointError, match="damaged pointer file"):
-        resume_point(tmp_path / "run", CFG, LORA)
+        resume_point(tmp_path / "run", ADAPTER)
 
 
 def test_safetensors_read_as_copy_on_write_memory_maps(tmp_path):

@@ -64,9 +64,9 @@ __all__ = [
 ]
 
 # LoRA for any model (lora_core.targeting / injection / peft_format)
-from .classify import cls_loss, cls_predict, cls_train_step  # noqa: E402
+from .classify import cls_eval, cls_loss, cls_predict, cls_train_step  # noqa: E402
 from .distilbert import DistilBertForSequenceClassification, distilbert_from_pretrained  # noqa: E402
 from .inject import inject_lora, load_lora_adapter, mark_only_lora_trainable, save_lora_adapter  # noqa: E402
 
-__all__ += ["DistilBertForSequenceClassification", "cls_loss", "cls_predict", "cls_train_step", "distilbert_from_pretrained",
+__all__ += ["DistilBertForSequenceClassification", "cls_eval", "cls_loss", "cls_predict", "cls_train_step", "distilbert_from_pretrained",
             "inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter"]

@@ -39,4 +39,14 @@ def cls_predict(model, batch: dict) -> np.ndarray:
         return _logits(model, batch).numpy().argmax(-1).astype(np.int64)
 
 
-__all__ = ["cls_loss", "cls_predict", "cls_train_step"]
+def cls_eval(model, batch: dict) -> tuple[float, np.ndarray]:
+    """Summed cross-entropy of the batch's labels and the predicted labels (evaluation mode)."""
+    model.eval()
+    with jt.no_grad():
+        logits = _logits(model, batch)
+        logp = log_softmax(logits)
+        loss = -logp.gather(1, jt.array(batch["labels"]).reshape(-1, 1)).sum()
+        return float(loss.item()), logits.numpy().argmax(-1).astype(np.int64)
+
+
+__all__ = ["cls_eval", "cls_loss", "cls_predict", "cls_train_step"]

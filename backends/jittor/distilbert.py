@@ -153,13 +153,17 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
         h = self.distilbert.first_token(input_ids, attention_mask)  # (B, E)
         return self.classifier(self.dropout(nn.relu(self.pre_classifier(h))))
 
-    def load_weights(self, tensors: dict) -> None:
-        """Copy numpy tensors into every parameter (strict)."""
+    def load_weights(self, tensors: dict, partial: bool = False) -> None:
+        """Copy numpy tensors into every parameter (strict), or (``partial``) into those named."""
         params = dict(self.named_parameters())
-        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
-        for n, p in params.items():
-            assign_keep_grad(p, jt.array(np.ascontiguousarray(tensors[n], dtype=np.float32)))
-        jt.sync(list(params.values()))
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if not partial or n in tensors})
+        for n in tensors:
+            assign_keep_grad(params[n], jt.array(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+        jt.sync([params[n] for n in tensors])
+
+    def load_partial(self, tensors: dict) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        self.load_weights(tensors, partial=True)
 
     def state_numpy(self) -> dict:
         return {n: p.numpy().copy() for n, p in self.named_parameters()}

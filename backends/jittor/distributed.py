@@ -8,6 +8,7 @@ import numpy as np
 
 from lora_core.distributed import DistributedError, World
 
+from .classify import cls_loss
 from .lora import assign_keep_grad, trainable_parameters
 from .train import lm_loss
 
@@ -40,17 +41,24 @@ def all_reduce_sum(x: np.ndarray) -> np.ndarray:
 class _DataParallel:
     """The model and what the update needs; gradients are summed with one fused all-reduce."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, loss: str):
+        self.model, self.loss = model, _loss_function(loss)
 
 
-def data_parallel(model):
+def _loss_function(loss: str):
+    losses = {"lm": lm_loss, "cls": lambda model, batch, _: cls_loss(model, batch)}
+    if loss not in losses:
+        raise ValueError(f"data_parallel: loss must be one of {sorted(losses)}, got {loss!r}")
+    return losses[loss]
+
+
+def data_parallel(model, loss: str = "lm"):
     """A handle over ``model`` for ``parallel_train_step``; the trainable (LoRA) parameters
     are broadcast from rank 0 once, so every rank starts from the same values."""
     with jt.no_grad():
         for p in trainable_parameters(model).values():
             assign_keep_grad(p, p.mpi_broadcast(0))
-    return _DataParallel(model)
+    return _DataParallel(model, loss)
 
 
 def _all_reduce_grads(optimizer) -> None:
@@ -81,7 +89,7 @@ def parallel_train_step(
     model.train()
     total = 0.0
     for mb, w in zip(micro_batches, weights):
-        loss = lm_loss(model, mb, label_smooth)
+        loss = wrapper.loss(model, mb, label_smooth)
         optimizer.backward(loss, w)
         total += w * float(loss.item())
     _all_reduce_grads(optimizer)

@@ -5,7 +5,7 @@ Contract (same in every backend): a batch is a dict of numpy arrays ``input_ids`
 ``cls_loss(model, batch) -> scalar`` (mean cross-entropy); ``cls_train_step(model,
 optimizer, micro_batches, lr, max_grad_norm) -> dict`` (as ``train_step``: gradient
 accumulation divides each micro-batch loss by their number); ``cls_predict(model, batch)
--> (B,) numpy labels``.
+-> (B,) numpy labels``; ``cls_eval(model, batch) -> (summed cross-entropy, (B,) labels)``.
 """
 
 from __future__ import annotations
@@ -46,4 +46,13 @@ def cls_predict(model, batch: dict) -> np.ndarray:
     return _logits(model, batch).argmax(dim=-1).cpu().numpy().astype(np.int64)
 
 
-__all__ = ["cls_loss", "cls_predict", "cls_train_step"]
+@torch.no_grad()
+def cls_eval(model, batch: dict) -> tuple[float, np.ndarray]:
+    """Summed cross-entropy of the batch's labels and the predicted labels (evaluation mode)."""
+    model.eval()
+    logits = _logits(model, batch)
+    loss = F.cross_entropy(logits, torch.from_numpy(batch["labels"]).to(logits.device), reduction="sum")
+    return float(loss.item()), logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+
+
+__all__ = ["cls_eval", "cls_loss", "cls_predict", "cls_train_step"]

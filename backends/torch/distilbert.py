@@ -167,13 +167,17 @@ class DistilBertForSequenceClassification(nn.Module):
         h = self.distilbert.first_token(input_ids, attention_mask)  # (B, E)
         return self.classifier(self.dropout(F.relu(self.pre_classifier(h))))
 
-    def load_weights(self, tensors: dict) -> None:
-        """Copy numpy tensors into every parameter (strict)."""
+    def load_weights(self, tensors: dict, partial: bool = False) -> None:
+        """Copy numpy tensors into every parameter (strict), or (``partial``) into those named."""
         params = dict(self.named_parameters())
-        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if not partial or n in tensors})
         with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+            for n in tensors:
+                params[n].copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+
+    def load_partial(self, tensors: dict) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        self.load_weights(tensors, partial=True)
 
     def state_numpy(self) -> dict:
         return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}

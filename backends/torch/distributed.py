@@ -2,7 +2,8 @@
 ``DistributedDataParallel``; the semantics are documented in ``lora_core.distributed``.
 
 Contract (same in every backend): ``init_process_group(world, timeout_s)``;
-``all_reduce_sum(x: np.ndarray) -> np.ndarray``; ``data_parallel(model) -> wrapper``;
+``all_reduce_sum(x: np.ndarray) -> np.ndarray``; ``data_parallel(model, loss="lm") -> wrapper``
+(``loss``: ``"lm"`` for ``lm_loss``, ``"cls"`` for ``cls_loss``);
 ``parallel_train_step(wrapper, optimizer, micro_batches, weights, lr, label_smooth,
 max_grad_norm) -> dict`` (the ``loss`` it returns is this rank's weighted share: the sum over
 ranks is the global loss); ``shutdown_process_group()``.
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lora_core.distributed import DistributedError, World
 
+from .classify import cls_loss
 from .train import lm_loss
 
 
@@ -62,15 +64,22 @@ def all_reduce_sum(x: np.ndarray) -> np.ndarray:
 class _Loss(torch.nn.Module):
     """The module DDP wraps: its forward is the training loss of one micro-batch."""
 
-    def __init__(self, model):
+    def __init__(self, model, loss: str):
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, _loss_function(loss)
 
     def forward(self, batch: dict, label_smooth: float):
-        return lm_loss(self.model, batch, label_smooth)
+        return self.loss(self.model, batch, label_smooth)
 
 
-def data_parallel(model):
+def _loss_function(loss: str):
+    losses = {"lm": lm_loss, "cls": lambda model, batch, _: cls_loss(model, batch)}
+    if loss not in losses:
+        raise ValueError(f"data_parallel: loss must be one of {sorted(losses)}, got {loss!r}")
+    return losses[loss]
+
+
+def data_parallel(model, loss: str = "lm"):
     """``DistributedDataParallel`` over ``model`` (moved to this rank's GPU under NCCL). Only
     the trainable (LoRA) parameters are synchronised; the frozen base is neither broadcast
     nor reduced."""
@@ -78,7 +87,7 @@ def data_parallel(model):
         model.to(_device())
     frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
     frozen += [f"model.{n}" for n, _ in model.named_buffers()]
-    module = _Loss(model)
+    module = _Loss(model, loss)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
     return DistributedDataParallel(module, device_ids=None)
 
