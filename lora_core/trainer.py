@@ -373,7 +373,7 @@ class Trainer:
                     break
         bar.close()
         if s.step > start_step:
-            if valid and "valid_nll" not in result:
+            if valid and not (cfg.eval_every and s.step % cfg.eval_every == 0):  # not evaluated at this step yet
                 result.update(self._evaluate(valid, per_epoch))
             if not (cfg.save_every and s.step % cfg.save_every == 0):
                 self.save_checkpoint(total)

@@ -39,6 +39,13 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     bk = lc.get_backend(backend_name)
     model = bk.distilbert_from_pretrained(base, adapter=adapter)
     metrics = {"backend": backend_name, "base": str(base), "adapter": str(adapter) if adapter else None}
+    return write_predictions(bk, model, prepared, out, metrics)
+
+
+def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> dict:
+    """Predict the ``dev`` and ``test`` splits found in ``prepared`` into
+    ``OUT/{split}_predictions.tsv``; ``metrics`` plus the dev accuracy go to ``OUT/metrics.json``."""
+    metrics = dict(metrics)
     for split in ("dev", "test"):
         path = prepared / f"{split}.jsonl"
         if not path.is_file():

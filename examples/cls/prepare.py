@@ -39,11 +39,28 @@ def prepare(data_dir: Path, vocab: Path, out_dir: Path, max_len: int = 128) -> d
 
 
 def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
-    """``(ids, labels)`` of a prepared split (labels None for test)."""
+    """``(ids, labels)`` of a prepared split (labels None for test); a line that is not such a
+    record raises ``cls_data.DataError`` naming the file and line."""
+    ids, labels = [], []
     with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
-    labels = [r["label"] for r in records] if records and "label" in records[0] else None
-    return [r["ids"] for r in records], labels
+        for no, line in enumerate(f, start=1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise cls_data.DataError(f"{path}:{no}: not JSON ({e.msg})") from None
+            seq = r.get("ids") if isinstance(r, dict) else None
+            if not isinstance(seq, list) or not seq or not all(type(t) is int and t >= 0 for t in seq):
+                raise cls_data.DataError(f"{path}:{no}: no 'ids' list of token ids")
+            if no > 1 and ("label" in r) != (labels is not None):
+                raise cls_data.DataError(f"{path}:{no}: 'label' present on some lines and not on others")
+            if no == 1 and "label" not in r:
+                labels = None
+            if labels is not None:
+                if r["label"] not in (0, 1) or type(r["label"]) is not int:
+                    raise cls_data.DataError(f"{path}:{no}: label {r['label']!r} is not 0 or 1")
+                labels.append(r["label"])
+            ids.append(seq)
+    return ids, labels
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,136 @@
+"""LoRA-tune a DistilBERT classifier on SST-2 with a named recipe, in either backend.
+
+Reads the output of ``examples.cls.prepare`` (``train.jsonl``, ``dev.jsonl``, optionally
+``test.jsonl``) and a HF DistilBERT folder (``config.json`` + ``model.safetensors`` or
+``pytorch_model.bin``; a masked-LM checkpoint such as ``distilbert-base-uncased`` gets a
+seeded classification head), injects LoRA as the recipe says, and trains with
+``lora_core.trainer`` (``ClassificationTask``): the run folder of the NLG trainer (log.jsonl,
+``ckpt-N/``, ``latest``, ``--resume``), then dev accuracy, ``OUT/dev_predictions.tsv``,
+``OUT/test_predictions.tsv`` (GLUE's ``index\\tprediction``) and ``OUT/metrics.json``::
+
+    python -m examples.cls.train --backend torch --recipe sst2-distilbert \\
+        --prepared out/sst2 --base pretrained/distilbert-base-uncased --out-dir runs/sst2-torch
+    python -m examples.cls.train ... --out-dir runs/sst2-torch --resume        # after a kill
+    python -m examples.cls.train ... --set train.lr=5e-4 lora.r=8                # overrides
+    torchrun --nproc_per_node 2 -m examples.cls.train --backend torch ...      # data parallel
+    mpirun -np 2 python -m examples.cls.train --backend jittor ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import lora_core
+from lora_core.distributed import run_job
+from lora_core.recipes import CLS_RECIPES, apply_overrides
+from lora_core.train_tasks import ClassificationTask
+from lora_core.trainer import train
+
+from .evaluate import write_predictions
+from .prepare import read_prepared
+
+
+def read_split(prepared: Path, split: str) -> list[tuple[list[int], int]]:
+    """``(ids, label)`` examples of a labelled prepared split."""
+    path = prepared / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (run examples.cls.prepare first)")
+    ids, labels = read_prepared(path)
+    if labels is None:
+        raise ValueError(f"{path}: no labels (the {split} split must be labelled)")
+    return list(zip(ids, labels))
+
+
+def build(backend, base: Path, recipe):
+    """The DistilBERT classifier of ``base`` with the recipe's LoRA injected (a base without a
+    classification head gets one drawn from the recipe's seed)."""
+    model = backend.distilbert_from_pretrained(base, num_labels=2, head_seed=recipe.train.seed)
+    backend.inject_lora(model, recipe.lora)
+    return model
+
+
+def run(
+    backend_name: str,
+    recipe,
+    prepared: Path,
+    base: Path,
+    out_dir: Path,
+    resume: bool = False,
+    resume_from: Path | None = None,
+    progress: bool = True,
+    comm=None,
+    kill_after: int | None = None,
+) -> dict:
+    """Train, then predict dev and test; returns the trainer's summary and the metrics."""
+    backend = lora_core.get_backend(backend_name)
+    train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
+    model = build(backend, base, recipe)
+    summary = train(
+        backend,
+        model,
+        train_ex,
+        dev_ex,
+        recipe.train,
+        out_dir,
+        resume=resume,
+        resume_from=resume_from,
+        progress=progress,
+        base_note=str(base),
+        kill_after=kill_after,
+        comm=comm,
+        task=ClassificationTask(),
+    )
+    if comm is None or comm.world.is_main:
+        meta = {"backend": backend_name, "recipe": recipe.name, "base": str(base), "adapter": summary["checkpoint"]}
+        summary["metrics"] = write_predictions(backend, model, prepared, Path(out_dir), meta)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
+    p.add_argument("--recipe", default="sst2-distilbert", choices=sorted(CLS_RECIPES))
+    p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.cls.prepare")
+    p.add_argument("--base", required=True, type=Path, help="HF DistilBERT folder (config.json + weights)")
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
+    p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    resume.add_argument("--resume-from", type=Path, help="continue from this OUT/ckpt-N (after a damaged latest)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+    args = p.parse_args(argv)
+
+    def body(job) -> str:
+        recipe = apply_overrides(CLS_RECIPES[args.recipe], args.overrides)
+        if args.max_steps is not None:
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=args.max_steps))
+        backend = lora_core.get_backend(args.backend)
+        comm = job.start(backend, args.dist_timeout)
+        summary = run(
+            backend.NAME,
+            recipe,
+            args.prepared,
+            args.base,
+            args.out_dir,
+            resume=args.resume,
+            resume_from=args.resume_from,
+            progress=not args.no_progress,
+            comm=comm,
+            kill_after=args.stop_after,
+        )
+        metrics = summary.pop("metrics", {})
+        summary.update({k: v for k, v in metrics.items() if k.endswith(("_accuracy", "_n"))})
+        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+
+    return run_job(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
