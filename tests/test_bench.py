@@ -28,3 +28,33 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
             assert len(run["step_s"]) == 3 and len(run["gen_lengths"]) == 2, run
             assert run["gen_lengths"] == [64, 64], run  # eos banned before 64 new tokens (--beam-min-new default)
         assert len(result["summary"][shape]["targets"]) == len(bench.TARGETS)
+
+
+def test_cls_bench_tiny_from_a_base(shared_dir, tmp_path, capsys):
+    """The DistilBERT/SST-2 benchmark starts every system from one HF base folder (a head-less
+    masked-LM checkpoint: same seeded head everywhere) and reports dev accuracy over all 872
+    dev sentences."""
+    import torch
+    import transformers
+
+    from examples.cls import bench as cls_bench
+
+    data = shared_dir / "data"
+    if not (data / "sst2" / "dev.tsv").is_file():
+        pytest.skip(f"shared SST-2 data missing: {data}")
+    cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    torch.manual_seed(0)
+    transformers.DistilBertForMaskedLM(cfg).save_pretrained(tmp_path / "base")
+    out = tmp_path / "cls.json"
+    rc = cls_bench.main(["--data-dir", str(data), "--base", str(tmp_path / "base"), "--steps", "1", "--warmup", "0",
+                         "--json", str(out)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    raw = json.loads(out.read_text())["raw"]
+    for system in cls_bench.SYSTEMS:
+        (run,) = raw[system]
+        assert run["train_ex_s"] > 0 and run["eval_ex_s"] > 0 and 0 <= run["dev_accuracy"] <= 1, run
+        assert system in table
+    # no update yet changes the head's answer much: one update from the same weights and batch
+    first = {s: raw[s][0]["loss"][0] for s in cls_bench.SYSTEMS}
+    assert max(first.values()) - min(first.values()) < 0.05, first

@@ -8,10 +8,14 @@ gradient accumulation 2 (an update = 2 micro-batches of 16), dropout as configur
 0.2 before the classifier). Batches are the first SST-2 training sentences in file order,
 WordPiece-tokenised (``lora_core.cls_data``) and padded to their longest sentence. Every
 (system, repeat) runs in its own process, so its peak RSS (``ru_maxrss``) is its own;
-systems rotate per repeat; the table gives medians. Same random weights everywhere (no
-pretrained DistilBERT can be downloaded here), so accuracy is not measured.
+systems rotate per repeat; the table gives medians. Every system starts from the same
+weights: random ones of the shape, or ``--base`` (a HF DistilBERT folder, e.g. the demo's
+pre-trained base or ``distilbert-base-uncased``; a head-less checkpoint gets the same seeded
+head everywhere). After the timed updates each system predicts the whole dev set (872
+sentences, batches of 64): eval examples/s and dev accuracy after the same updates.
 
     python -m examples.cls.bench --data-dir ../shared/data --json cls_bench.json
+    python -m examples.cls.bench --base runs/cls-demo/base --steps 30   # accuracy that means something
     # smoke run: --shape tiny --steps 1 --warmup 1 --repeats 1
 """
 
@@ -31,7 +35,7 @@ import numpy as np
 
 import lora_core as lc
 from lora_core import cls_data
-from lora_core.distilbert import PRESETS, DistilBertConfig, init_weights
+from lora_core.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 BATCH, ACCUM, EVAL_BATCH, LR = 16, 2, 64, 2e-4
@@ -49,18 +53,27 @@ def shape_config(name: str) -> DistilBertConfig:
     return base if name == "distilbert" else DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128)
 
 
-def batches(data_dir: Path, n: int, size: int, split: str = "train") -> list[dict]:
+def start_weights(shape: str, base: str | None) -> tuple[DistilBertConfig, dict]:
+    """The shape's random weights, or ``base``'s (with ``init_head(cfg, 0)`` if it has no head)."""
+    if not base:
+        cfg = shape_config(shape)
+        return cfg, init_weights(cfg, seed=0)
+    cfg, tensors, has_head = load_distilbert_checkpoint(base, num_labels=2)
+    return cfg, tensors if has_head else dict(tensors, **init_head(cfg, 0))
+
+
+def batches(data_dir: Path, n: int | None, size: int, split: str = "train") -> list[dict]:
     rows = cls_data.read_tsv(data_dir / "sst2" / f"{split}.tsv")[:n]
     tok = cls_data.wordpiece_tokenizer(data_dir / "distilbert-vocab" / "vocab.txt")
     ids, _ = cls_data.encode(tok, [s for s, _ in rows], max_len=128)
-    return [cls_data.collate(ids[i : i + size], [lab for _, lab in rows[i : i + size]]) for i in range(0, n, size)]
+    return [cls_data.collate(ids[i : i + size], [lab for _, lab in rows[i : i + size]]) for i in range(0, len(rows), size)]
 
 
 class Ours:
-    def __init__(self, name: str, cfg: DistilBertConfig):
+    def __init__(self, name: str, cfg: DistilBertConfig, weights: dict):
         self.bk = lc.get_backend(name)
         self.model = self.bk.DistilBertForSequenceClassification(cfg)
-        self.model.load_weights(init_weights(cfg, seed=0))
+        self.model.load_weights(weights)
         targets = lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), modules_to_save=("classifier",))
         self.bk.inject_lora(self.model, targets)
         self.opt = self.bk.AdamW(self.bk.trainable_parameters(self.model), lc.optim.AdamWConfig(weight_decay=0.01))
@@ -73,14 +86,14 @@ class Ours:
 
 
 class HFPeft:
-    def __init__(self, cfg: DistilBertConfig):
+    def __init__(self, cfg: DistilBertConfig, weights: dict):
         import peft
         import torch
         import transformers
 
         hf_cfg = transformers.DistilBertConfig(**{k: v for k, v in cfg.to_dict().items() if k != "initializer_range"})
         model = transformers.DistilBertForSequenceClassification(hf_cfg)
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in init_weights(cfg, seed=0).items()}, strict=False)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
         lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"], modules_to_save=["classifier"])
         self.torch, self.model = torch, peft.get_peft_model(model, lcfg)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -112,10 +125,11 @@ def run_worker(spec: dict) -> dict:
         import torch
 
         torch.set_num_threads(spec["threads"])
-    data_dir, cfg = Path(spec["data_dir"]), shape_config(spec["shape"])
+    data_dir, (cfg, weights) = Path(spec["data_dir"]), start_weights(spec["shape"], spec.get("base"))
     train = batches(data_dir, BATCH * ACCUM * (spec["warmup"] + spec["steps"]), BATCH)
-    dev = batches(data_dir, EVAL_BATCH * spec["eval_batches"], EVAL_BATCH, "dev")
-    system = HFPeft(cfg) if spec["system"] == "hf-peft" else Ours(spec["system"].split("-")[1], cfg)
+    dev = batches(data_dir, None, EVAL_BATCH, "dev")
+    name = spec["system"]
+    system = HFPeft(cfg, weights) if name == "hf-peft" else Ours(name.split("-")[1], cfg, weights)
     times, losses = [], []
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
@@ -124,11 +138,11 @@ def run_worker(spec: dict) -> dict:
         print(f"[bench] {spec['system']} update {i + 1}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
     system.predict(dev[0])  # warm-up
     t0 = time.perf_counter()
-    for b in dev:
-        system.predict(b)
+    correct = sum(int((system.predict(b) == b["labels"]).sum()) for b in dev)
     eval_s = time.perf_counter() - t0
+    n_dev = sum(len(b["labels"]) for b in dev)
     return {"train_ex_s": BATCH * ACCUM * spec["steps"] / sum(times[spec["warmup"] :]), "loss": losses,
-            "eval_ex_s": EVAL_BATCH * len(dev) / eval_s, "update_s": times,
+            "eval_ex_s": n_dev / eval_s, "dev_accuracy": correct / n_dev, "update_s": times,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "loadavg_end": os.getloadavg()[0]}  # fmt: skip
 
@@ -144,10 +158,12 @@ def spawn(spec: dict) -> dict:
 
 
 def summarise(raw: dict) -> str:
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in ("train_ex_s", "eval_ex_s", "rss_mb")}
+    keys = ("train_ex_s", "eval_ex_s", "rss_mb", "dev_accuracy")
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in keys}
            for s, runs in raw.items() if runs and all("error" not in r for r in runs)}  # fmt: skip
-    lines = ["| system | train ex/s | eval ex/s | peak RSS MB |", "| --- | --- | --- | --- |"]
-    lines += [f"| {s} | {m['train_ex_s']:.2f} | {m['eval_ex_s']:.1f} | {m['rss_mb']:.0f} |" for s, m in med.items()]
+    lines = ["| system | train ex/s | eval ex/s | peak RSS MB | dev accuracy |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {s} | {m['train_ex_s']:.2f} | {m['eval_ex_s']:.1f} | {m['rss_mb']:.0f} | {m['dev_accuracy']:.4f} |"
+              for s, m in med.items()]  # fmt: skip
     lines += ["", "| target | bound | measured | met |", "| --- | --- | --- | --- |"]
     for label, key, num, den, kind, bound in TARGETS:
         if num in med and den in med:
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--steps", type=int, default=3, help="timed updates (of 2 x 16 examples)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--eval-batches", type=int, default=2, help="dev batches of 64 timed for eval ex/s")
+    ap.add_argument("--base", type=Path, help="HF DistilBERT folder every system starts from (default: random)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
@@ -183,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for s in systems[rep % len(systems) :] + systems[: rep % len(systems)]:
             spec = {"system": s, "shape": args.shape, "data_dir": str(args.data_dir), "steps": args.steps,
-                    "warmup": args.warmup, "eval_batches": args.eval_batches, "threads": args.threads}  # fmt: skip
+                    "warmup": args.warmup, "threads": args.threads, "base": str(args.base or "")}  # fmt: skip
             raw[s].append(dict(spawn(spec), loadavg_start=os.getloadavg()[0]))
     table = summarise(raw)
     print(table)
