@@ -255,7 +255,7 @@ CLS_RECIPES: dict[str, ClassifierRecipe] = {
     "sst2-demo": ClassifierRecipe(
         "sst2-demo",
         "sst2",
-        TrainConfig(**dict(_SST2, epochs=1, lr=1e-3, seed=0, eval_every=0, save_every=100, log_every=10,
+        TrainConfig(**dict(_SST2, epochs=1, lr=1e-3, seed=0, eval_every=50, save_every=125, log_every=10,
                            dropout_masks="numpy")),
         LoRATargetConfig(**_SST2_LORA, seed=0),
     ),

@@ -4,6 +4,8 @@
 # dependencies, a headless Java for METEOR, Open MPI for jittor's mpirun), so on a fresh
 # Debian/Ubuntu machine with Python 3.10+ one command is enough:
 #   bash scripts/lora.sh demo [ARGS]   # embedded demo: both backends, train -> beam -> decode -> eval
+#   bash scripts/lora.sh demo-cls [ARGS]  # SST-2 demo (data in ../shared/data or --data-dir): DistilBERT
+#                                      # pre-trained here, LoRA in both backends, dev accuracy
 #   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS)
 #   bash scripts/lora.sh setup         # only install
 #   bash scripts/lora.sh bench [ARGS]  # speed/memory benchmark (examples/nlg/bench.py)
@@ -67,8 +69,11 @@ case "$cmd" in
   demo)
     [ -f "$stamp" ] || setup
     "$venv/bin/python" -m examples.nlg.demo "$@" ;;
+  demo-cls)
+    [ -f "$stamp" ] || setup
+    "$venv/bin/python" -m examples.cls.demo "$@" ;;
   bench)
     [ -f "$stamp" ] || setup
     "$venv/bin/python" -m examples.nlg.bench "$@" ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

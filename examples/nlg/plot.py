@@ -22,31 +22,38 @@ def _series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[f
     return [s for s, _ in pts], [v for _, v in pts]
 
 
+# validation figures a log may hold (LM: NLL; classification: accuracy), the first found is drawn
+EVAL_METRICS = (("valid_nll", "NLL per completion token", "validation NLL"),
+                ("valid_accuracy", "accuracy", "validation accuracy"))  # fmt: skip
+
+
 def plot(logs: list[Path], labels: list[str], out: Path, title: str | None = None) -> Path:
-    """Write the figure to ``out``: training loss per step (left) and validation NLL (right,
-    only when a log has ``eval`` lines)."""
+    """Write the figure to ``out``: training loss per step (left) and the validation figure
+    (right, only when a log has ``eval`` lines: NLL, or accuracy for classification)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [(label, read_log(path)) for label, path in zip(labels, logs, strict=True)]
-    has_eval = any(_series(recs, "eval", "valid_nll")[0] for _, recs in runs)
+    found = [m for m in EVAL_METRICS if any(_series(recs, "eval", m[0])[0] for _, recs in runs)]
+    has_eval = bool(found)
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(12 if has_eval else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     styles = ["-", "--", ":", "-."]
     for i, (label, recs) in enumerate(runs):
         steps, loss = _series(recs, "train", "loss")
         ax.plot(steps, loss, styles[i % len(styles)], lw=1.4, label=label)
-    ax.set(xlabel="optimizer step", ylabel="training loss (label-smoothed)", title="training loss")
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="training loss")
     ax.grid(alpha=0.3)
     ax.legend()
     if has_eval:
         ax = axes[0][1]
+        key, ylabel, name = found[0]
         for i, (label, recs) in enumerate(runs):
-            steps, nll = _series(recs, "eval", "valid_nll")
-            ax.plot(steps, nll, styles[i % len(styles)], marker="o", ms=4, lw=1.4, label=label)
-        ax.set(xlabel="optimizer step", ylabel="NLL per completion token", title="validation NLL")
+            steps, values = _series(recs, "eval", key)
+            ax.plot(steps, values, styles[i % len(styles)], marker="o", ms=4, lw=1.4, label=label)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=name)
         ax.grid(alpha=0.3)
         ax.legend()
     if title:
