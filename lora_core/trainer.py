@@ -52,6 +52,7 @@ from .checkpoint import atomic_write, write_json_atomic
 from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_range, shard_step
 from .dropout import NumpyDropout
 from .layers import lora_layers
+from .precision import precision_log
 from .recipes import TrainConfig
 from .run_dir import (
     CONFIG_FILE,
@@ -190,6 +191,7 @@ class Trainer:
             raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's n_positions={model.config.n_positions}")
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()
+        backend.set_precision(model, cfg.precision)  # issue 8: forward passes in cfg.precision
         self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
         self.dp = backend.data_parallel(model) if self.comm.world.parallel else None  # may move it to a GPU
         self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
@@ -407,7 +409,7 @@ class Trainer:
         result = {"loss": out["loss"]}
         if s.step % cfg.log_every == 0 or s.step == total:
             w, world = window, self.comm.world
-            memory = {"peak_rss_mb": _peak_rss_mb()}
+            memory = {"peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": self.backend.peak_gpu_mb(self.model)}
             if world.parallel:  # every rank's peak, gathered (a collective: all ranks log the same steps)
                 memory["peak_rss_mb_per_rank"] = self.comm.all_gather([memory["peak_rss_mb"] or 0.0])[:, 0].tolist()
             norm = out.get("grad_norm")
@@ -424,6 +426,7 @@ class Trainer:
                     "examples_per_s": w["examples"] / w["time"],
                     "tokens_per_s": w["tokens"] / w["time"],
                     **memory,
+                    **precision_log(self.optimizer),  # fp16: skipped_steps, loss_scale
                 }
             )
             window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)

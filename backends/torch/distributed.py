@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lora_core.distributed import DistributedError, World
 
+from .precision import autocast
 from .train import lm_loss
 
 
@@ -67,7 +68,8 @@ class _Loss(torch.nn.Module):
         self.model = model
 
     def forward(self, batch: dict, label_smooth: float):
-        return lm_loss(self.model, batch, label_smooth)
+        with autocast(self.model):
+            return lm_loss(self.model, batch, label_smooth)
 
 
 def data_parallel(model):
