@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MEASURED
 
 import lora_core as lc
 from lora_core.batching import collate
@@ -123,6 +124,8 @@ def test_grad_checkpoint_is_exact(masks):
     ckpt = _loss_and_grads(bt, model, batch, src)
     assert len(calls) == 3  # forward + recomputation in the backward pass
     assert abs(plain[0] - ckpt[0]) <= 1e-6 * abs(plain[0])
+    worst = max(np.abs(ckpt[1][n] - g).max() / np.abs(g).max() for n, g in plain[1].items())
+    MEASURED[f"grad checkpoint vs plain step, LoRA grads ({masks} dropout masks)"] = float(worst)
     for n, g in plain[1].items():
         assert np.abs(g).max() > 0
         np.testing.assert_allclose(ckpt[1][n], g, rtol=0, atol=1e-6 * np.abs(g).max(), err_msg=n)
