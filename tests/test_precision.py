@@ -2,6 +2,7 @@
 CPU, fp16 dynamic loss scaling (skipped updates counted, weights unchanged), bad values refused."""
 
 import dataclasses
+import shutil
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from helpers import MEASURED
 
 import lora_core as lc
 from lora_core.beam import BeamConfig
+from lora_core.checkpoint import read_tensors
 from lora_core.convert import convert
 from lora_core.optim import AdamWConfig
 from lora_core.precision import DynamicLossScale, LossScaleConfig, check_precision
@@ -76,6 +78,24 @@ def test_fp16_overflow_skips_the_update_and_logs_it(pairs, tmp_path):
     assert all(np.array_equal(before[n], after[n]) for n in before)  # the update was skipped
     state = trainer.optimizer.state_numpy()
     assert int(state["t"]) == 0 and all(not v.any() for k, v in state.items() if k[:2] in ("m.", "v."))
+
+
+def test_fp16_resume_is_exact(pairs, tmp_path):
+    """The loss scale and skip count are checkpointed: a run resumed from ckpt-4 ends like the
+    uninterrupted one (overflowing start, so that the scale moves and updates are skipped)."""
+    bt, (data, tok) = lc.get_backend("torch"), pairs
+    cfg = dataclasses.replace(_cfg("fp16", steps=8, loss_scale=2.0**30), save_every=4)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(bt, _model(bt, tok), data, None, cfg, full, progress=False)
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "ckpt-8")
+    train(bt, _model(bt, tok), data, None, cfg, cut, resume_from=cut / "ckpt-4", progress=False)
+    logs = [[r for r in read_log(d / "log.jsonl") if r["kind"] == "train"] for d in (full, cut)]
+    assert logs[0][3]["skipped_steps"] >= 1 and logs[0][-1]["loss_scale"] < 2.0**30
+    assert [(r["loss"], r["skipped_steps"], r["loss_scale"]) for r in logs[0]] == \
+        [(r["loss"], r["skipped_steps"], r["loss_scale"]) for r in logs[1]]
+    a, b = (read_tensors(d / "ckpt-8" / "adapter.safetensors") for d in (full, cut))
+    assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
 def test_loss_scaling_in_both_optimizers(backend):
