@@ -3,7 +3,7 @@
 Measured with jittor 1.3.11 on the CPU (x86-64, oneDNN), a (256, 1024) @ (1024, 768) product
 of inputs rounded to the 16-bit type, against numpy's float64 product of the same inputs:
 ``bfloat16`` returned 0.63 relative error (max |diff| / max |exact|; torch's bfloat16 matmul:
-3.2e-3), ``float16`` 1.0e-2 (torch: 4.0e-4) in 2.5 s against 3.8 ms in float32. Jittor has no
+3.2e-3), ``float16`` 1.0e-2 (torch: 4.0e-4) in 2.2-2.5 s against 4 ms in float32. Jittor has no
 autocast (its ``amp_level`` flags only change type promotion). So bf16 and fp16 are refused
 with that reason instead of training on wrong numbers; on a GPU jittor's CUDA path is not
 verified here (issue 8: it computed wrong numbers on CUDA 13), so they are refused there too.
@@ -19,7 +19,7 @@ _CPU_REASON = {
     "bf16": "jittor 1.3.11's bfloat16 matmul on the CPU returns wrong numbers (0.63 relative error against "
     "numpy, measured)",
     "fp16": "jittor 1.3.11's float16 matmul on the CPU accumulates in float16 (1e-2 relative error against "
-    "numpy) and runs ~650x slower than float32 (measured)",
+    "numpy) and runs ~600x slower than float32 (measured)",
 }
 
 
