@@ -25,3 +25,26 @@ class NumpyDropout:
     def mask(self, shape: tuple[int, ...], p: float) -> np.ndarray:
         keep = self.rng.random(shape, dtype=np.float32) >= p
         return keep.astype(np.float32) / np.float32(1.0 - p)
+
+
+class ReplayMasks:
+    """Activation checkpointing in parity mode: the masks ``source`` gives during a block's
+    forward pass, recorded, then given again in the same order when the block is recomputed
+    for the backward pass (``start()`` before each pass), so that both passes drop the same
+    units. The framework's own dropout needs no such thing: ``torch.utils.checkpoint``
+    restores the RNG state before recomputing."""
+
+    def __init__(self, source):
+        self.source, self.masks, self.i = source, [], 0
+
+    def start(self) -> None:
+        self.i = 0
+
+    def mask(self, shape: tuple[int, ...], p: float) -> np.ndarray:
+        if self.i == len(self.masks):
+            self.masks.append(self.source.mask(shape, p))
+        m = self.masks[self.i]
+        if m.shape != tuple(shape):
+            raise RuntimeError(f"recomputed forward pass asked for a mask of shape {tuple(shape)}, recorded {m.shape}")
+        self.i += 1
+        return m

@@ -6,6 +6,8 @@ Per update with gradient g, for every parameter that trains (frozen ones get no 
     p = p - step * m / (sqrt(v) + eps)
     p = p - lr * weight_decay * p      # decoupled, applied after the update
 Backends implement this in tensors; ``adamw_reference`` is the numpy form tests use.
+With ``loss_scale`` (fp16, ``lora_core.precision``) the gradients are unscaled before
+clipping and an update with non-finite gradients is skipped.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .precision import LossScaleConfig
+
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """Hyper-parameters (paper code defaults: betas (0.9, 0.999), eps 1e-6)."""
+    """Hyper-parameters (paper code defaults: betas (0.9, 0.999), eps 1e-6); ``loss_scale``:
+    dynamic loss scaling (fp16 training), ``None`` for none."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
     weight_decay: float = 0.0
     correct_bias: bool = True
+    loss_scale: LossScaleConfig | None = None
 
     def __post_init__(self):
         b1, b2 = self.betas

@@ -32,6 +32,7 @@ from typing import Literal
 from .beam import BeamConfig
 from .config import LoRAConfig
 from .optim import AdamWConfig
+from .precision import LossScaleConfig, check_precision
 from .targeting import LoRATargetConfig
 
 __all__ = ["TrainConfig", "Recipe", "RECIPES", "ClassifierRecipe", "CLS_RECIPES", "get_recipe", "apply_overrides"]
@@ -77,6 +78,9 @@ class TrainConfig:
         eval_limit: evaluate on the first N validation examples only (``None``: all).
         save_every: adapter + trainer-state checkpoint every this many updates (0: only at the end).
         log_every: one JSONL log line every this many updates.
+        precision: ``fp32`` (exact), ``bf16`` or ``fp16`` autocast of the forward pass
+            (``lora_core.precision``); LoRA parameters and optimizer state stay float32.
+        loss_scale: initial dynamic loss scale of ``fp16`` runs (``GradScaler``'s 2**16).
     """
 
     batch_size: int = 8
@@ -104,9 +108,14 @@ class TrainConfig:
     eval_limit: int | None = None
     save_every: int = 1000
     log_every: int = 100
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = 2.0**16
 
     def __post_init__(self):
         c = "TrainConfig"
+        check_precision(self.precision, f"{c}.precision")
+        _check(isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0, c, "loss_scale", self.loss_scale,
+               "a number > 0")
         for name in ("batch_size", "grad_accum", "epochs", "eval_batch_size", "log_every"):
             v = getattr(self, name)
             _check(_is_int(v) and v > 0, c, name, v, "a positive int")
@@ -164,8 +173,13 @@ class TrainConfig:
         )
 
     def adamw_config(self) -> AdamWConfig:
+        scaling = LossScaleConfig(init_scale=float(self.loss_scale)) if self.precision == "fp16" else None
         return AdamWConfig(
-            betas=self.adam_betas, eps=self.adam_eps, weight_decay=self.weight_decay, correct_bias=self.correct_bias
+            betas=self.adam_betas,
+            eps=self.adam_eps,
+            weight_decay=self.weight_decay,
+            correct_bias=self.correct_bias,
+            loss_scale=scaling,
         )
 
     def to_dict(self) -> dict:

@@ -37,6 +37,7 @@ from .checkpoint import (
     write_json_atomic,
     write_safetensors_atomic,
 )
+from .precision import DynamicLossScale
 
 __all__ = [
     "LOG_FILE",
@@ -221,8 +222,10 @@ def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
     tensors = adapter.read(path)
     opt = read_tensors(path / STATE_TENSORS)
     expected = {f"{k}.{n}": shape for n, shape in adapter.shapes().items() for k in ("m", "v")}
-    check_tensors(path / STATE_TENSORS, opt, {**expected, "t": (1,)})  # safetensors writers make scalars 1-d
-    opt["t"] = opt["t"].reshape(())
+    scalars = ["t", *(DynamicLossScale.KEYS if any(k in opt for k in DynamicLossScale.KEYS) else ())]  # fp16 runs
+    check_tensors(path / STATE_TENSORS, opt, {**expected, **{k: (1,) for k in scalars}})  # scalars are saved 1-d
+    for k in scalars:
+        opt[k] = opt[k].reshape(())
     meta = read_json(path / STATE_JSON)
     bad = [k for k in STATE_FIELDS if type(meta.get(k)) is not int]
     if bad:

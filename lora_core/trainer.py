@@ -56,6 +56,7 @@ from .checkpoint import atomic_write, write_json_atomic
 from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
 from .dropout import NumpyDropout
 from .layers import lora_layers
+from .precision import precision_log
 from .recipes import TrainConfig
 from .run_dir import (
     CONFIG_FILE,
@@ -185,6 +186,7 @@ class Trainer:
         self.task.check_config(cfg, model)
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()
+        backend.set_precision(model, cfg.precision)  # issue 8: forward passes in cfg.precision
         self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
         if self.comm.world.parallel and cfg.dropout_masks == "numpy" and not self.task.sharded_dropout_masks:
             raise ValueError(
@@ -412,7 +414,7 @@ class Trainer:
         result = {"loss": out["loss"]}
         if s.step % cfg.log_every == 0 or s.step == total:
             w, world = window, self.comm.world
-            memory = {"peak_rss_mb": _peak_rss_mb()}
+            memory = {"peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": self.backend.peak_gpu_mb(self.model)}
             if world.parallel:  # every rank's peak, gathered (a collective: all ranks log the same steps)
                 memory["peak_rss_mb_per_rank"] = self.comm.all_gather([memory["peak_rss_mb"] or 0.0])[:, 0].tolist()
             norm = out.get("grad_norm")
@@ -429,6 +431,7 @@ class Trainer:
                     "examples_per_s": w["examples"] / w["time"],
                     "tokens_per_s": w["tokens"] / w["time"],
                     **memory,
+                    **precision_log(self.optimizer),  # fp16: skipped_steps, loss_scale
                 }
             )
             window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)

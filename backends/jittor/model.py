@@ -262,6 +262,14 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         return {n: p.numpy().copy() for n, p in self.named_parameters()}
 
 
+def set_grad_checkpoint(model, enabled: bool = True) -> None:
+    """Activation checkpointing: not available in jittor 1.3.11 (no recompute API); ``True`` raises."""
+    if enabled:
+        raise ValueError("grad_checkpoint is not supported by the jittor backend: jittor 1.3.11 has no "
+                         "activation checkpointing (recomputation); use the torch backend or a smaller batch")
+    model.grad_checkpoint = False
+
+
 def _np(x):
     return x.numpy() if isinstance(x, jt.Var) else np.asarray(x)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lora_core import build as _build
 
+from .device import peak_gpu_mb, to_device
 from .distributed import (
     all_reduce_sum,
     data_parallel,
@@ -24,8 +25,9 @@ from .lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from .model import GPT2LMModel, KVCache
+from .model import GPT2LMModel, KVCache, set_grad_checkpoint
 from .optim import AdamW
+from .precision import set_precision
 from .train import eval_nll, lm_loss, manual_seed, train_step
 
 NAME = "torch"
@@ -48,6 +50,8 @@ __all__ = [
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
     # data parallelism (backends/*/distributed.py)
     "all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group",
+    # device, precision, activation checkpointing (backends/*/device.py, precision.py, model.py)
+    "peak_gpu_mb", "set_grad_checkpoint", "set_precision", "to_device",
 ]
 
 # LoRA for any model (lora_core.targeting / injection / peft_format)

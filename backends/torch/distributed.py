@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lora_core.distributed import DistributedError, World
 
 from .classify import cls_loss
+from .precision import autocast
 from .train import lm_loss
 
 
@@ -69,7 +70,8 @@ class _Loss(torch.nn.Module):
         self.model, self.loss = model, _loss_function(loss)
 
     def forward(self, batch: dict, label_smooth: float):
-        return self.loss(self.model, batch, label_smooth)
+        with autocast(self.model):
+            return self.loss(self.model, batch, label_smooth)
 
 
 def _loss_function(loss: str):

@@ -7,18 +7,23 @@ progress=False) -> list[list[int]]`` (generated tokens per context).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lora_core.beam import BeamConfig, beam_search_batched
 
 from .model import KVCache
+from .precision import autocast
 
 
 def _forward(model):
     @torch.no_grad()
     def forward(ids, past, mask):
-        h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
-        return model.lm_logits(h[:, -1]).cpu().numpy(), past
+        with autocast(model):
+            h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
+            logits = model.lm_logits(h[:, -1])
+        return logits.float().cpu().numpy(), past
     return forward
 
 
@@ -35,7 +40,8 @@ def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_siz
                 progress: bool = False) -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
     model.eval()
-    with model.decoding(rows=batch_size * cfg.beam):
+    exact = getattr(model, "precision", "fp32") == "fp32"  # the packed decoding weights are float32-only
+    with model.decoding(rows=batch_size * cfg.beam) if exact else contextlib.nullcontext():
         return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
 
 

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lora_core.beam import compose_rows
 from lora_core.checkpoint import check_tensors
 from lora_core.config import GPT2Config, LoRAConfig
+from lora_core.dropout import ReplayMasks
 from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
@@ -181,6 +183,7 @@ class GPT2LMModel(nn.Module):
         self.h = nn.ModuleList(Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.decode_head = None
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each block in the backward pass
 
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block: each linear layer and the
@@ -226,8 +229,9 @@ class GPT2LMModel(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
         x = self.drop(self.wte(ids.reshape(-1).index_select(0, tok)) + self.wpe(tok % T))
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for block in self.h:
-            x, _ = block(x, None, None, (tok, pad, B, T))
+            x = _checkpointed(block, x, (tok, pad, B, T)) if recompute else block(x, None, None, (tok, pad, B, T))[0]
         return self.ln_f(x)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -263,6 +267,32 @@ class GPT2LMModel(nn.Module):
         """numpy copies of every parameter, canonical names."""
         return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
 
+
+def _checkpointed(block, x: torch.Tensor, unpad) -> torch.Tensor:
+    """``block``'s output on the real tokens ``x`` (N, E) without keeping its activations:
+    ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
+    framework dropout repeats; numpy parity masks are replayed by ``ReplayMasks``)."""
+    layers = [m for m in block.modules() if getattr(m, "mask_source", None) is not None]
+    replays = [ReplayMasks(m.mask_source) for m in layers]  # per layer: the first pass records
+
+    def run(h):
+        sources = [m.mask_source for m in layers]
+        for m, r in zip(layers, replays):
+            r.start()
+            m.mask_source = r
+        try:
+            return block(h, None, None, unpad)[0]
+        finally:
+            for m, src in zip(layers, sources):
+                m.mask_source = src
+
+    return checkpoint(run, x, use_reentrant=False)
+
+
+def set_grad_checkpoint(model, enabled: bool = True) -> None:
+    """Activation checkpointing per transformer block in training (the same loss and gradients
+    as the plain step, less memory, one more forward pass per block)."""
+    model.grad_checkpoint = bool(enabled)
 
 
 def _np(x):

@@ -3,6 +3,9 @@
 Contract (same in every backend): ``AdamW(named_params, cfg)``; ``backward(loss, scale)``
 accumulates gradients; ``clip_grad_norm(max_norm)``; ``step(lr)`` applies one update and
 clears the gradients; ``grads_numpy()``; ``state_numpy()``/``load_state_numpy()``.
+With ``cfg.loss_scale`` (fp16): ``backward`` scales the loss by the current loss scale, the
+gradients are unscaled once before clipping or the update, and ``step`` skips an update whose
+gradients are not finite (``lora_core.precision.DynamicLossScale``; ``loss_scale`` attribute).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import numpy as np
 import torch
 
 from lora_core.optim import AdamWConfig, pack_state, step_size, unpack_state
+from lora_core.precision import DynamicLossScale
 
 
 class AdamW:
@@ -20,10 +24,26 @@ class AdamW:
         self.params, self.cfg, self.t = dict(params), cfg, 0
         self.m = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.v = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.loss_scale = DynamicLossScale(cfg.loss_scale) if cfg.loss_scale is not None else None
+        self._finite: bool | None = None  # set when the scaled gradients have been unscaled
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """Add ``scale * d loss / d p`` to the gradients of the trained parameters."""
+        if self.loss_scale is not None:
+            scale *= self.loss_scale.scale
         (loss * scale if scale != 1.0 else loss).backward()
+
+    @torch.no_grad()
+    def _unscale(self) -> bool:
+        """Divide loss-scaled gradients by the scale (once per update); True if all are finite."""
+        if self.loss_scale is None:
+            return True
+        if self._finite is None:
+            grads = [p.grad for p in self.params.values() if p.grad is not None]
+            self._finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+            for g in grads:
+                g.mul_(1.0 / self.loss_scale.scale)
+        return self._finite
 
     def _grads(self):
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
@@ -31,6 +51,7 @@ class AdamW:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+        self._unscale()
         grads = list(self._grads().values())
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
         if max_norm > 0 and norm > max_norm:
@@ -41,7 +62,13 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """One update with learning rate ``lr``, then clear the gradients."""
+        """One update with learning rate ``lr``, then clear the gradients (with loss scaling: no
+        update when the gradients are not finite)."""
+        finite = self._unscale()
+        self._finite = None
+        if self.loss_scale is not None and not self.loss_scale.update(finite):
+            self.zero_grad()
+            return
         self.t += 1
         b1, b2 = self.cfg.betas
         size = step_size(lr, self.t, self.cfg)
@@ -56,6 +83,7 @@ class AdamW:
             p.grad = None
 
     def zero_grad(self) -> None:
+        self._finite = None
         for p in self.params.values():
             p.grad = None
 
@@ -64,11 +92,14 @@ class AdamW:
 
     def state_numpy(self) -> dict:
         """Moments and step count as one flat numpy dict (``lora_core.optim.pack_state``)."""
-        return pack_state({n: t.cpu().numpy().copy() for n, t in self.m.items()},
-                          {n: t.cpu().numpy().copy() for n, t in self.v.items()}, self.t)
+        state = pack_state({n: t.cpu().numpy().copy() for n, t in self.m.items()},
+                           {n: t.cpu().numpy().copy() for n, t in self.v.items()}, self.t)
+        return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}
 
     @torch.no_grad()
     def load_state_numpy(self, state: dict) -> None:
+        if self.loss_scale is not None:
+            state = self.loss_scale.load_state_numpy(state)
         m, v, self.t = unpack_state(list(self.params), state)
         for n in self.params:
             self.m[n].copy_(torch.from_numpy(m[n]))

@@ -2,13 +2,16 @@
 
 Contract (same in every backend): ``lm_loss(model, batch, label_smooth) -> scalar``;
 ``train_step(model, optimizer, micro_batches, lr, label_smooth, max_grad_norm) -> dict``;
-``eval_nll(model, batch) -> (nll_sum, n)``.
+``eval_nll(model, batch) -> (nll_sum, n)``. Forward passes run in the model's precision
+(``set_precision``); the loss is computed in float32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .precision import autocast
 
 
 def _gather_hidden(model, batch):
@@ -26,7 +29,7 @@ def manual_seed(seed: int) -> None:
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
     """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
     logits, targets = _gather_hidden(model, batch)
-    logp = F.log_softmax(logits, dim=-1)
+    logp = F.log_softmax(logits.float(), dim=-1)  # a no-op in fp32
     nll = -logp.gather(1, targets[:, None]).squeeze(1)
     if label_smooth > 0:
         nll = (1.0 - label_smooth) * nll + label_smooth * (-logp.mean(dim=-1))
@@ -40,7 +43,8 @@ def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smo
     model.train()
     total = 0.0
     for mb in micro_batches:
-        loss = lm_loss(model, mb, label_smooth)
+        with autocast(model):
+            loss = lm_loss(model, mb, label_smooth)
         optimizer.backward(loss, 1.0 / len(micro_batches))
         total += loss.item()
     norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")
@@ -52,5 +56,6 @@ def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smo
 def eval_nll(model, batch: dict) -> tuple[float, int]:
     """Summed NLL over the loss positions and their count (for perplexity)."""
     model.eval()
-    logits, targets = _gather_hidden(model, batch)
-    return F.cross_entropy(logits, targets, reduction="sum").item(), int(targets.numel())
+    with autocast(model):
+        logits, targets = _gather_hidden(model, batch)
+    return F.cross_entropy(logits.float(), targets, reduction="sum").item(), int(targets.numel())

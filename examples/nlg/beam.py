@@ -21,7 +21,9 @@ from pathlib import Path
 
 import lora_core
 from lora_core.data import group_references, read_formatted, write_jsonl_atomic
+from lora_core.device import DEVICE_CHOICES
 from lora_core.distributed import batch_shard, gather_outputs, run_job
+from lora_core.precision import PRECISIONS
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.tokenizer import load_tokenizer
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--allow-empty", action="store_true", help="accept empty references (DART test)")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="forward-pass precision")
     p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
     a = p.parse_args(argv)
     def body(job) -> str:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
         model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False)
+        backend.to_device(model, a.device)
+        backend.set_precision(model, a.precision)
         groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
         start, stop = batch_shard(len(groups), a.batch_size, comm.world)
         mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,

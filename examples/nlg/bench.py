@@ -18,7 +18,11 @@ Systems (same random weights, same examples in the same order, same thread count
   slice a fused projection), ``torch.optim.AdamW``, cross-entropy over all logits with labels
   -100 outside the completion and an attention mask for the right padding; beam search with
   ``generate`` (left padding + attention mask, ``early_stopping=False``).
+- ``hf-peft-bf16`` (not in the default set): ``hf-peft`` under bf16 ``torch.autocast``.
 All train with the E2E recipe's label smoothing 0.1 and weight decay 0.01, no dropout.
+``--device`` (default ``cpu``) and ``--precision`` (default ``fp32``; bf16/fp16 autocast, fp16
+with dynamic loss scaling; the jittor backend refuses 16-bit, see ``backends/jittor/precision.py``)
+apply to every system; on a GPU the workers also report the framework's peak GPU memory.
 Tokens/s counts the same real tokens for every system (``collate``'s ``n_tokens``), so its
 ratios are those of examples/s. ``tiny`` is the ``tiny`` preset with GPT-2's vocabulary and
 1024 positions (E2E ids need them). ``demo`` is the embedded demo's model (``demo`` preset: 3
@@ -48,9 +52,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lora_core.device import DEVICE_CHOICES, parse_device
+from lora_core.precision import PRECISIONS
+
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
-SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
+SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")  # the default set
+ALL_SYSTEMS = (*SYSTEMS, "hf-peft-bf16")  # hf-peft-bf16: HF+PEFT under bf16 autocast, whatever --precision says
 # (label, metric, numerator, denominator, "ge"/"le", bound, shapes it applies to; None = all)
 TARGETS = [
     ("train tok/s  ours-torch / hf-peft", "train_tok_s", "ours-torch", "hf-peft", "ge", 1.5, ("gpt2",)),
@@ -84,7 +92,8 @@ def _max_rss_mb(reset: bool = False) -> float:
 def run_train(spec: dict) -> dict:
     data_dir, steps, warmup = Path(spec["data_dir"]), spec["steps"], spec["warmup"]
     pairs = train_examples(data_dir, BATCH * (warmup + steps), spec["shape"])
-    system = make_system(spec["system"], shape_config(spec["shape"]), True, stop_ids(spec["shape"]))
+    system = make_system(spec["system"], shape_config(spec["shape"]), True, stop_ids(spec["shape"]),
+                         spec["device"], spec["precision"])
     batches = [pairs[i : i + BATCH] for i in range(0, len(pairs), BATCH)]
     prepared = [system.prepare(b) for b in batches]
     gc.collect()
@@ -101,12 +110,13 @@ def run_train(spec: dict) -> dict:
     return {"train_ex_s": BATCH * steps / timed, "train_tok_s": n_tokens / timed, "step_s": times,
             "seq_len": [max(len(c) + len(t) - 1 for c, t in b) for b in batches], "loss": losses,
             "train_rss_mb": max(before, _max_rss_mb()), "train_phase_rss_mb": _max_rss_mb(),
-            "build_warmup_rss_mb": before}  # fmt: skip
+            "build_warmup_rss_mb": before, "train_gpu_mb": system.peak_gpu_mb()}  # fmt: skip
 
 
 def run_beam(spec: dict) -> dict:
     contexts = beam_contexts(Path(spec["data_dir"]), spec["beam_examples"], spec["shape"])
-    system = make_system(spec["system"], shape_config(spec["shape"]), False, stop_ids(spec["shape"]))
+    system = make_system(spec["system"], shape_config(spec["shape"]), False, stop_ids(spec["shape"]),
+                         spec["device"], spec["precision"])
     bs = spec["beam_batch"]
     t0 = time.perf_counter()
     system.beam(contexts[:bs], bs, 4, 4)  # warm-up (kernels, caches), excluded
@@ -119,7 +129,7 @@ def run_beam(spec: dict) -> dict:
     log(f"{spec['shape']} {spec['system']} beam {len(contexts)} examples: {elapsed:.2f} s")
     return {"beam_s_ex": elapsed / len(contexts), "beam_batch": bs, "beam_warmup_s": warm,
             "gen_len": float(np.mean(lengths)), "gen_lengths": lengths,
-            "beam_rss_mb": _max_rss_mb()}  # fmt: skip
+            "beam_rss_mb": _max_rss_mb(), "beam_gpu_mb": system.peak_gpu_mb()}  # fmt: skip
 
 
 def run_worker(spec: dict) -> dict:
@@ -165,7 +175,7 @@ def run_all(args) -> dict:
                     spec = {"task": task, "system": system, "shape": shape, "data_dir": str(args.data_dir),
                             "steps": args.steps, "warmup": args.warmup, "beam_examples": args.beam_examples,
                             "beam_batch": args.beam_batch[system], "beam_min_new": args.beam_min_new,
-                            "threads": args.threads}  # fmt: skip
+                            "threads": args.threads, "device": args.device, "precision": args.precision}  # fmt: skip
                     log(f"{shape} repeat {rep + 1}/{args.repeats} {system} {task}")
                     out = spawn(spec)
                     result.update({f"{task}_{k}" if k in ("error", "wall_s", "loadavg_end") else k: v
@@ -242,8 +252,8 @@ def _beam_batch(text: str, systems: list[str]) -> dict[str, int]:
     out = {s: 8 for s in systems}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        if name not in SYSTEMS:
-            raise argparse.ArgumentTypeError(f"--beam-batch: unknown system {name!r}; choose from {SYSTEMS}")
+        if name not in ALL_SYSTEMS:
+            raise argparse.ArgumentTypeError(f"--beam-batch: unknown system {name!r}; choose from {ALL_SYSTEMS}")
         out[name] = int(value)
     return out
 
@@ -264,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
     p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (default all)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
     p.add_argument("--repeats", type=int, default=3, help="runs per system (medians reported)")
@@ -275,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens; 0 = the paper's setting, see the module docstring)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1,
                    help="threads for every system (torch and OpenMP; default 1, as the issue's reference figures)")  # fmt: skip
+    p.add_argument("--device", default="cpu", help=f"{DEVICE_CHOICES} for every system (default cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="every system's precision")
     p.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = p.parse_args(argv)
     try:
         args.shapes = _names(args.shapes, SHAPES, "--shapes")
-        args.systems = _names(args.systems, SYSTEMS, "--systems")
+        args.systems = _names(args.systems, ALL_SYSTEMS, "--systems")
+        parse_device(args.device, "--device")
         args.beam_batch = _beam_batch(args.beam_batch, args.systems)
     except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))

@@ -6,6 +6,7 @@ demo's own toy data set and 512-token BPE, made here as the demo makes them."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -96,16 +97,25 @@ def gen_length(tokens, stops: tuple[int, ...] = STOP_IDS) -> int:
 class Ours:
     """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
 
-    def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
+    def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
+                 precision: str = "fp32"):
         import lora_core
         from lora_core.optim import AdamWConfig
+        from lora_core.precision import LossScaleConfig
 
         self.be, self.stops = lora_core.get_backend(name), stops
         base = lora_core.init_gpt2_weights(cfg, SEED)
         self.model = self.be.build_model(cfg, lora_core.LoRAConfig(r=4, alpha=32), base, trainable=trainable)
         del base
+        self.be.to_device(self.model, device)
+        self.be.set_precision(self.model, precision)
         if trainable:
-            self.opt = self.be.AdamW(self.be.trainable_parameters(self.model), AdamWConfig(weight_decay=WEIGHT_DECAY))
+            scaling = LossScaleConfig() if precision == "fp16" else None
+            self.opt = self.be.AdamW(self.be.trainable_parameters(self.model),
+                                     AdamWConfig(weight_decay=WEIGHT_DECAY, loss_scale=scaling))
+
+    def peak_gpu_mb(self) -> float | None:
+        return self.be.peak_gpu_mb(self.model)
 
     def prepare(self, pairs):
         from lora_core.batching import collate
@@ -124,9 +134,11 @@ class Ours:
 
 
 class HFPeft:
-    """``transformers`` GPT-2 + ``peft`` LoRA, used the way their documentation shows."""
+    """``transformers`` GPT-2 + ``peft`` LoRA, used the way their documentation shows; in bf16
+    or fp16 under ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``)."""
 
-    def __init__(self, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
+    def __init__(self, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
+                 precision: str = "fp32"):
         import warnings
 
         import peft
@@ -136,6 +148,7 @@ class HFPeft:
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
 
         from lora_core import init_gpt2_weights
+        from lora_core.device import resolve_device
         from lora_core.naming import TRANSPOSED
 
         self.torch, self.stops, self.eos = torch, stops, stops[0]
@@ -155,9 +168,20 @@ class HFPeft:
         del base
         lcfg = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
         self.model = peft.get_peft_model(model, lcfg)
+        self.device = resolve_device(device, torch.cuda.device_count() if torch.cuda.is_available() else 0, "hf-peft")
+        self.model.to(self.device)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        kind = self.device.split(":")[0]
+        self.autocast = (lambda: torch.autocast(kind, dtype=dtype)) if dtype else contextlib.nullcontext
+        self.scaler = torch.amp.GradScaler(kind, enabled=precision == "fp16")
         if trainable:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def peak_gpu_mb(self) -> float | None:
+        if not self.device.startswith("cuda"):
+            return None
+        return round(self.torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
 
     def prepare(self, pairs):
         torch = self.torch
@@ -174,13 +198,15 @@ class HFPeft:
     def train_step(self, batch) -> float:
         import torch.nn.functional as F
 
-        ids, mask, labels = batch
+        ids, mask, labels = (t.to(self.device) for t in batch)
         self.model.train()
-        logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+        with self.autocast():
+            logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
                                label_smoothing=LABEL_SMOOTH)  # fmt: skip
-        loss.backward()
-        self.opt.step()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -192,9 +218,10 @@ class HFPeft:
         out = []
         for s in range(0, len(contexts), batch_size):
             ids, mask = left_pad(contexts[s : s + batch_size], pad_id=self.eos)
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 seq = self.model.generate(
-                    input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                    input_ids=torch.from_numpy(ids).to(self.device), attention_mask=torch.from_numpy(mask).to(self.device),
+                    do_sample=False,
                     num_beams=BEAM["beam"], max_new_tokens=max_new_tokens, min_new_tokens=min(min_new_tokens, max_new_tokens),
                     length_penalty=BEAM["length_penalty"],
                     no_repeat_ngram_size=BEAM["no_repeat_ngram_size"], repetition_penalty=1.0,
@@ -203,7 +230,9 @@ class HFPeft:
         return out
 
 
-def make_system(name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS):
-    if name == "hf-peft":
-        return HFPeft(cfg, trainable, stops)
-    return Ours(name.removeprefix("ours-"), cfg, trainable, stops)
+def make_system(name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
+                precision: str = "fp32"):
+    """A system by name; ``hf-peft-bf16`` is ``hf-peft`` in bf16 whatever ``precision`` says."""
+    if name.startswith("hf-peft"):
+        return HFPeft(cfg, trainable, stops, device, "bf16" if name == "hf-peft-bf16" else precision)
+    return Ours(name.removeprefix("ours-"), cfg, trainable, stops, device, precision)

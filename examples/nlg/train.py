@@ -12,6 +12,7 @@ and writes the run folder described in ``lora_core.trainer``. Examples::
     python -m examples.nlg.train ... --out-dir runs/toy --resume   # continue after a kill
     python -m examples.nlg.train ... --out-dir runs/toy --resume-from runs/toy/ckpt-600
                                    # when --resume reports the latest checkpoint damaged
+    python -m examples.nlg.train ... --device cuda --precision bf16 --grad-checkpoint   # on a GPU
     torchrun --nproc_per_node 2 -m examples.nlg.train --backend torch ...    # data parallel
     mpirun -np 2 python -m examples.nlg.train --backend jittor ...          # (as root: --allow-run-as-root)
 
@@ -31,7 +32,9 @@ from pathlib import Path
 import lora_core
 from lora_core.checkpoint import save_model
 from lora_core.data import read_encoded
+from lora_core.device import DEVICE_CHOICES
 from lora_core.distributed import run_job
+from lora_core.precision import PRECISIONS
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.trainer import train
 
@@ -90,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override recipe settings, e.g. --set lr=1e-3 eval_every=500 (keys of TrainConfig)",
     )
+    parser.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
+    parser.add_argument(
+        "--grad-checkpoint", action="store_true", help="recompute each block in the backward pass (less memory)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes (torchrun jobs)"
@@ -105,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(recipe.train, [kv for group in args.overrides for kv in group])
         if args.max_steps is not None:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
+        if args.precision is not None:
+            cfg = dataclasses.replace(cfg, precision=args.precision)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         train_data = read_encoded(args.train)
         valid_data = read_encoded(args.valid) if args.valid else None
         model, note = build(backend, args, cfg.lora_config(), comm)
+        backend.to_device(model, args.device)  # device and grad_checkpoint do not change results: not in cfg
+        backend.set_grad_checkpoint(model, args.grad_checkpoint)
         summary = train(
             backend,
             model,
