@@ -220,7 +220,7 @@ class Trainer:
                 raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
         remove_temp_files(out)  # leftovers of a killed save
         if resume and old.is_file():
-            diff = config_diff(json.loads(old.read_text(encoding="utf-8")), run)
+            diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8"))), run)
             if diff:
                 if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
                     diff.append(
@@ -454,6 +454,15 @@ class Trainer:
             }
         )
         return res
+
+
+def _with_defaults(saved: dict) -> dict:
+    """A saved run config with the keys added since it was written at their defaults (a run
+    folder of an older version resumes: it trained an LM, in fp32, ...)."""
+    saved = dict(saved, task=saved.get("task", "lm"))
+    if isinstance(saved.get("train"), dict):
+        saved["train"] = {**TrainConfig().to_dict(), **saved["train"]}
+    return saved
 
 
 def _progress(total: int, initial: int, name: str, enabled: bool):

@@ -196,3 +196,18 @@ def test_bad_input_is_named(data, tmp_path):
     (bad / "y.jsonl").write_text('{"ids": [1, 5, 2], "label": 1}\nnot json\n')
     with pytest.raises(DataError, match="y.jsonl:2: not JSON"):
         read_prepared(bad / "y.jsonl")
+
+
+def test_bf16_classification_tracks_fp32(data, tmp_path):
+    """torch autocast reaches the classification step too: a bf16 run differs from fp32 (so it
+    runs in bf16) but tracks its loss curve; jittor refuses 16-bit with its reason."""
+    curves = {}
+    for p in ("fp32", "bf16"):
+        recipe = apply_overrides(RECIPE, ["train.epochs=2", f"train.precision={p}", "train.eval_every=0"])
+        _fit("torch", data, tmp_path / p, recipe)
+        curves[p] = np.array([r["loss"] for r in read_log(tmp_path / p / "log.jsonl") if r["kind"] == "train"])
+    rel = np.abs(curves["bf16"] - curves["fp32"]) / np.abs(curves["fp32"])
+    assert 0 < rel.max() < 5e-2, rel.max()
+    print(f"classification bf16 vs fp32, 24 updates: max relative loss difference {rel.max():.2e}")
+    with pytest.raises(ValueError, match="not supported by the jittor backend"):
+        _fit("jittor", data, tmp_path / "j16", apply_overrides(RECIPE, ["train.precision=bf16"]))

@@ -1,6 +1,7 @@
 """Training loop: exact resume after a real kill, checkpoint atomicity, JSONL log, schedule,
 data order, recipe overrides, the train and plot CLIs (tiny model, toy data, a dozen steps)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -346,3 +347,28 @@ def test_plot_cli(runs, tmp_path):
     logs = [str(runs["full"] / "log.jsonl"), str(runs["cut"] / "log.jsonl")]
     assert plot_cli.main([*logs, "--labels", "full", "resumed", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_run_folder_of_an_older_version_resumes(toy, tmp_path):
+    """A train_config.json written before the task and precision keys existed (an LM run in
+    fp32) resumes; a real difference is still refused."""
+
+    from lora_core.data import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=2", "eval_every=0"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    tr = read_encoded(toy["train"])
+
+    def fit(c):
+        model = be.build_model(mcfg, c.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+        return train(be, model, tr, None, c, tmp_path / "run", max_steps=4, resume=True, progress=False)
+
+    fit(cfg)
+    path = tmp_path / "run" / "train_config.json"
+    saved = json.loads(path.read_text())
+    del saved["task"], saved["train"]["precision"], saved["train"]["loss_scale"]
+    path.write_text(json.dumps(saved))
+    assert fit(cfg)["step"] == 4
+    with pytest.raises(ValueError, match="train.precision: saved 'fp32', now 'bf16'"):
+        fit(dataclasses.replace(cfg, precision="bf16"))

@@ -14,10 +14,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .precision import autocast
+
 
 def _logits(model, batch: dict) -> torch.Tensor:
+    """float32 logits; the forward runs in the model's precision (``set_precision``)."""
     dev = next(model.parameters()).device
-    return model(torch.from_numpy(batch["input_ids"]).to(dev), torch.from_numpy(batch["attention_mask"]).to(dev))
+    with autocast(model):
+        logits = model(torch.from_numpy(batch["input_ids"]).to(dev), torch.from_numpy(batch["attention_mask"]).to(dev))
+    return logits.float()  # a no-op in fp32
 
 
 def cls_loss(model, batch: dict) -> torch.Tensor:

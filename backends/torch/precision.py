@@ -2,7 +2,8 @@
 loss scaling in ``lora_core.precision``; loss scaling runs in ``backends.torch.optim``).
 
 Contract (same in every backend): ``set_precision(model, precision)`` chooses the precision
-of ``model``'s forward passes in ``train_step``, ``eval_nll`` and ``beam_search``
+of ``model``'s forward passes in ``train_step``, ``eval_nll``, ``beam_search`` and the
+classification functions (``cls_train_step``, ``cls_eval``, ``cls_predict``)
 (``fp32`` leaves them exactly as they are); unsupported combinations raise ``ValueError``.
 """
 
