@@ -15,3 +15,11 @@ def batched(items: Sequence, size: int, progress: bool = False, desc: str = "") 
         starts = tqdm(starts, desc=desc, unit="batch", total=len(starts))
     for s in starts:
         yield items[s:s + size]
+
+
+def step_bar(total: int, initial: int, desc: str, enabled: bool = True):
+    """A tqdm bar over ``total`` optimizer updates, starting at ``initial`` (a resumed run)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True,
+                mininterval=0.5)

@@ -53,10 +53,12 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import atomic_write, write_json_atomic
+from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
 from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
 from .dropout import NumpyDropout
 from .layers import lora_layers
 from .precision import precision_log
+from .progress import step_bar
 from .recipes import TrainConfig
 from .run_dir import (
     CONFIG_FILE,
@@ -86,37 +88,6 @@ __all__ = [
     "LOG_FILE",
     "LATEST_FILE",
 ]
-
-
-# --------------------------------------------------------------------------- data order
-
-
-def steps_per_epoch(n: int, batch_size: int, last_batch: str = "keep") -> int:
-    return n // batch_size if last_batch == "drop" else -(-n // batch_size)
-
-
-def total_steps(cfg: TrainConfig, n: int) -> int:
-    """Updates of the whole run (the schedule's end): ``max_steps`` or epochs x updates per epoch."""
-    return cfg.max_steps or cfg.epochs * steps_per_epoch(n, cfg.batch_size, cfg.last_batch)
-
-
-def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, last_batch: str = "keep") -> list[np.ndarray]:
-    """Example indices of each batch of ``epoch`` (0-based): a permutation drawn from
-    ``default_rng([seed, epoch])``; ``fill`` tops the last batch up with draws from the same
-    generator (the paper's ``FT_Dataset`` fills it with random examples)."""
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(n)
-    rest = n % batch_size
-    if rest and last_batch == "fill":
-        order = np.concatenate([order, rng.integers(0, n, batch_size - rest)])
-    elif rest and last_batch == "drop":
-        order = order[: n - rest]
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def dropout_seed(seed: int, step: int) -> int:
-    """Framework seed before update ``step``: dropout masks depend on (seed, step) only."""
-    return seed * 1_000_003 + step
 
 
 def _peak_rss_mb() -> float | None:
@@ -344,7 +315,7 @@ class Trainer:
 
     def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
         cfg, be, s = self.cfg, self.backend, self.state
-        bar = _progress(total, s.step, be.NAME, self.progress)
+        bar = step_bar(total, s.step, f"train[{be.NAME}]", self.progress)
         window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
         start_step, result = s.step, {}
         while s.step < total:
@@ -463,20 +434,6 @@ def _with_defaults(saved: dict) -> dict:
     if isinstance(saved.get("train"), dict):
         saved["train"] = {**TrainConfig().to_dict(), **saved["train"]}
     return saved
-
-
-def _progress(total: int, initial: int, name: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=f"train[{name}]",
-        unit="step",
-        disable=not enabled,
-        dynamic_ncols=True,
-        mininterval=0.5,
-    )
 
 
 def train(
