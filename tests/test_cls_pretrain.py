@@ -64,6 +64,14 @@ def test_mask_tokens_bert_rule():
     assert (one != -100).sum() == 1 and one[0, 1] == 2000
 
 
+def test_unigram_log_prior():
+    prior = pretrain.unigram_log_prior([[101, 7, 7, 9, 102], [101, 7, 102, 0]], vocab_size=110, smoothing=0.5)
+    p = np.exp(prior.astype(np.float64))
+    assert prior.shape == (110,) and abs(p.sum() - 1) < 1e-6 and p.argmax() == 7
+    assert np.allclose(p[[7, 9, 1]], np.array([3.5, 1.5, 0.5]) / 59.0)  # (count + 0.5) / (4 + 110 x 0.5)
+    assert p[101] == p[102] == p[0] == p[1]  # special tokens are never predicted: counted 0
+
+
 def test_mlm_loss_equals_transformers_loss(sentences):
     torch.manual_seed(0)
     model = tf.DistilBertForMaskedLM(tf.DistilBertConfig(dim=16, n_layers=2, n_heads=2, hidden_dim=32)).eval()
@@ -90,6 +98,8 @@ def test_two_runs_identical_and_folder_complete(sentences, base, tmp_path):
     assert [r["step"] for r in log] == [2, 4, 6] and set(log[0]) == {"step", "loss", "lr", "masked_accuracy"}
     cfg = json.loads((base / "config.json").read_text())
     assert cfg["architectures"] == ["DistilBertForMaskedLM"] and cfg["vocab_size"] == 30522 and cfg["dim"] == 16
+    assert cfg["dropout"] == cfg["attention_dropout"] == 0.1  # fine-tuning's; pre-trained without
+    assert json.loads((base / "pretrain.json").read_text())["settings"]["dropout"] == 0.0
     other = _weights(pretrain.pretrain_mlm(sentences, tmp_path / "seed1", **dict(TINY, seed=1)))
     assert not np.array_equal(other["vocab_transform.weight"], a["vocab_transform.weight"])  # the seed matters
     init = tf.DistilBertForMaskedLM(tf.DistilBertConfig(dim=16, n_layers=2, n_heads=2, hidden_dim=32))

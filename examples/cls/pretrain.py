@@ -5,9 +5,12 @@ base: ``transformers``' ``DistilBertForMaskedLM`` (the class of the real
 ``distilbert-base-uncased`` checkpoint), BERT's masking (Devlin et al. 2019: 15% of the
 tokens other than ``[CLS]``/``[SEP]``/``[PAD]`` are predicted; of those 80% become
 ``[MASK]``, 10% a random token, 10% stay), AdamW with linear warm-up and decay
-(``lora_core.schedule``), batches of shuffled sentences padded to their longest. The MLM
-head runs on the masked positions only: the same loss as ``DistilBertForMaskedLM(...,
-labels=...)`` (a test checks), without the (B, T, 30522) logits of the other positions.
+(``lora_core.schedule``), batches of shuffled sentences of similar length padded to their
+longest. The MLM head runs on the masked positions only: the same loss as
+``DistilBertForMaskedLM(..., labels=...)`` (a test checks), without the (B, T, 30522) logits
+of the other positions. For a budget of about a minute: no dropout while pre-training
+(Geiping & Goldstein 2022, "Cramming"; ``config.json`` still says DistilBERT's 0.1 for
+fine-tuning) and the output bias starts at the tokens' log frequency (``unigram_log_prior``).
 
 Reproducible: masks and batch order come from a seeded numpy generator, the initial
 weights from ``torch.manual_seed(seed)`` (inside ``torch.random.fork_rng``: the caller's
@@ -42,10 +45,11 @@ from lora_core.schedule import linear_warmup_decay
 
 # BERT uncased vocab.txt (distilbert-base-uncased): 30522 WordPieces, these special ids.
 VOCAB_SIZE, PAD_ID, CLS_ID, SEP_ID, MASK_ID = 30522, 0, 101, 102, 103
+FINETUNE_DROPOUT = 0.1  # DistilBERT's dropout and attention_dropout, written to config.json
 # Demo defaults (measured: see the module's commit message / the issue report). 2 layers of
 # width 128 pre-train ~1000 steps in about a minute on one CPU core.
 DEFAULTS = dict(dim=128, n_layers=2, n_heads=2, hidden_dim=512, steps=1000, batch_size=32, lr=1e-3,
-                warmup=100, weight_decay=0.01, max_len=128, log_every=50)  # fmt: skip
+                warmup=100, weight_decay=0.01, dropout=0.0, max_len=128, log_every=50)  # fmt: skip
 
 
 def mask_tokens(
@@ -129,8 +133,22 @@ def _check_settings(s: dict) -> None:
         raise ValueError(f"dim={s['dim']} is not divisible by n_heads={s['n_heads']}")
     if not (isinstance(s["warmup"], int) and 0 <= s["warmup"] < s["steps"]):
         raise ValueError(f"warmup must be an int in [0, steps={s['steps']}), got {s['warmup']!r}")
+    if not 0.0 <= s["dropout"] < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {s['dropout']!r}")
     if not s["lr"] > 0 or not s["weight_decay"] >= 0:
         raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {s['lr']!r}, {s['weight_decay']!r}")
+
+
+def unigram_log_prior(train_ids: list[list[int]], vocab_size: int, smoothing: float = 0.1) -> np.ndarray:
+    """Log frequency of each token among the predicted ones (all but ``[CLS]``/``[SEP]``/``[PAD]``),
+    add-``smoothing``: the MLM head's initial output bias. A model then starts at the unigram
+    loss instead of ln(vocab_size) (Karpathy's "init well": the last layer's bias at the data's
+    log prior); with Adam's ~lr steps per parameter the bias alone would take thousands of
+    updates to get there."""
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in train_ids])
+    tokens = tokens[(tokens != PAD_ID) & (tokens != CLS_ID) & (tokens != SEP_ID)]
+    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64) + smoothing
+    return np.log(counts / counts.sum()).astype(np.float32)
 
 
 def _batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, group: int = 50):
@@ -199,12 +217,13 @@ def _train(model, train_ids, s: dict, log_path: Path, progress: bool) -> dict:
     return record
 
 
-def _hf_config(s: dict):
+def _hf_config(s: dict, dropout: float):
     import transformers
 
     return transformers.DistilBertConfig(
         vocab_size=s["vocab_size"], max_position_embeddings=s["max_len"], dim=s["dim"], n_layers=s["n_layers"],
-        n_heads=s["n_heads"], hidden_dim=s["hidden_dim"], pad_token_id=PAD_ID,
+        n_heads=s["n_heads"], hidden_dim=s["hidden_dim"], pad_token_id=PAD_ID, dropout=dropout,
+        attention_dropout=dropout,
     )  # fmt: skip
 
 
@@ -229,6 +248,7 @@ def pretrain_mlm(
     weight_decay: float = DEFAULTS["weight_decay"],
     max_len: int = DEFAULTS["max_len"],
     vocab_size: int = VOCAB_SIZE,
+    dropout: float = DEFAULTS["dropout"],
     seed: int = 0,
     log_every: int = DEFAULTS["log_every"],
     overwrite: bool = False,
@@ -243,6 +263,8 @@ def pretrain_mlm(
         steps, batch_size, lr, warmup, weight_decay: AdamW updates of ``batch_size``
             sentences, lr warmed up linearly over ``warmup`` updates then decayed to 0.
         max_len: ``max_position_embeddings``; a longer sentence is an error, not cut.
+        dropout: dropout and attention dropout while pre-training (0: none, as Cramming's
+            short-budget recipe); ``config.json`` gets DistilBERT's 0.1 for fine-tuning.
         seed: masks, batch order (numpy) and initial weights (torch).
         log_every: a ``log.jsonl`` line (means over the interval) every this many updates.
 
@@ -254,7 +276,7 @@ def pretrain_mlm(
 
     settings = dict(dim=dim, n_layers=n_layers, n_heads=n_heads, hidden_dim=hidden_dim, steps=steps,
                     batch_size=batch_size, lr=lr, warmup=warmup, weight_decay=weight_decay, max_len=max_len,
-                    vocab_size=vocab_size, seed=seed, log_every=log_every)  # fmt: skip
+                    vocab_size=vocab_size, dropout=dropout, seed=seed, log_every=log_every)  # fmt: skip
     _check_settings(settings)
     check_sentences(train_ids, vocab_size, max_len)
     out_dir = Path(out_dir)
@@ -268,8 +290,11 @@ def pretrain_mlm(
         torch.set_num_threads(1)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = transformers.DistilBertForMaskedLM(_hf_config(settings))
+            model = transformers.DistilBertForMaskedLM(_hf_config(settings, settings["dropout"]))
+            with torch.no_grad():
+                model.vocab_projector.bias.copy_(torch.from_numpy(unigram_log_prior(train_ids, vocab_size)))
             last = _train(model, train_ids, settings, tmp / "log.jsonl", progress)
+        model.config.dropout = model.config.attention_dropout = FINETUNE_DROPOUT  # what config.json tells users
         model.save_pretrained(tmp, safe_serialization=True)
         if not (tmp / "model.safetensors").is_file():
             raise RuntimeError(f"{tmp}: save_pretrained wrote no model.safetensors")
