@@ -46,10 +46,10 @@ from lora_core.schedule import linear_warmup_decay
 # BERT uncased vocab.txt (distilbert-base-uncased): 30522 WordPieces, these special ids.
 VOCAB_SIZE, PAD_ID, CLS_ID, SEP_ID, MASK_ID = 30522, 0, 101, 102, 103
 FINETUNE_DROPOUT = 0.1  # DistilBERT's dropout and attention_dropout, written to config.json
-# Demo defaults (measured: see the module's commit message / the issue report). 2 layers of
-# width 128 pre-train ~1000 steps in about a minute on one CPU core.
-DEFAULTS = dict(dim=128, n_layers=2, n_heads=2, hidden_dim=512, steps=1000, batch_size=32, lr=1e-3,
-                warmup=100, weight_decay=0.01, dropout=0.0, max_len=128, log_every=50)  # fmt: skip
+# Demo defaults, measured on one core (see the commit adding them): 2 layers of width 64
+# pre-train 1600 steps in about 75 s; LoRA on the result beats LoRA on the same random base.
+DEFAULTS = dict(dim=64, n_layers=2, n_heads=2, hidden_dim=256, steps=1600, batch_size=32, lr=1e-3,
+                warmup=160, weight_decay=0.01, dropout=0.0, max_len=128, log_every=50)  # fmt: skip
 
 
 def mask_tokens(
