@@ -20,7 +20,7 @@ beside it, then ``os.replace``)::
 
     out/sst2/base/config.json         HF DistilBertConfig (architectures: DistilBertForMaskedLM)
     out/sst2/base/model.safetensors   save_pretrained's file, loads with from_pretrained
-    out/sst2/base/log.jsonl           {"step", "loss", "lr", "masked_accuracy"} per logged step
+    out/sst2/base/log.jsonl           {"step", "loss", "lr", "masked_accuracy"}, means since the last line
     out/sst2/base/pretrain.json       the settings, sentence count and run time
 
     python -m examples.cls.pretrain --prepared out/sst2 --out-dir out/sst2/base
@@ -155,7 +155,7 @@ def _batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, gro
     """Index arrays of ``batch_size`` sentences, forever: each epoch a new permutation, cut
     into chunks of ``group`` batches sorted by length inside (little padding), the batches
     then shuffled (``transformers``' ``LengthGroupedSampler`` idea). A last partial batch
-    of an epoch is dropped (its sentences come first in another epoch's order)."""
+    of an epoch is dropped (those sentences are in other epochs' permutations)."""
     n = len(lengths)
     size = min(batch_size, n)
     while True:
@@ -179,7 +179,8 @@ def _optimizer(model, lr: float, weight_decay: float):
 
 
 def _train(model, train_ids, s: dict, log_path: Path, progress: bool) -> dict:
-    """The update loop; appends to ``log_path``; returns the last logged record."""
+    """The update loop; writes ``log_path`` (loss and masked accuracy: means over the updates
+    since the previous line); returns the last line's record."""
     import torch
     from tqdm import tqdm
 
