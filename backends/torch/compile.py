@@ -20,29 +20,28 @@ from .precision import autocast
 RECOMPILE_LIMIT = 64  # compiled graphs kept per model (dynamo's default, 8, is too few for the buckets)
 
 
-class _MaskFeed:
-    """Parity-mode dropout masks drawn before the compiled call (numpy cannot be traced) and
-    handed, in forward order, to the LoRA layers inside it."""
+class _FixedMask:
+    """A parity-mode dropout mask drawn before the compiled call (numpy cannot be traced),
+    given to one LoRA layer inside it; the same each time it is asked (so activation
+    checkpointing's recomputation needs no replay: ``fixed``)."""
+
+    fixed = True
 
     def __init__(self):
-        self.masks, self.i = (), 0
-
-    def load(self, masks) -> None:
-        self.masks, self.i = masks, 0
+        self.m = None
 
     def mask(self, shape: tuple[int, ...], p: float) -> torch.Tensor:
-        m = self.masks[self.i]
-        if tuple(m.shape) != tuple(shape):
-            raise RuntimeError(f"compiled step: LoRA layer {self.i} asked for a mask of shape {tuple(shape)}, "
-                               f"drawn {tuple(m.shape)}")
-        self.i += 1
-        return m
+        if tuple(self.m.shape) != tuple(shape):
+            raise RuntimeError(f"compiled step: a LoRA layer asked for a mask of shape {tuple(shape)}, "
+                               f"drawn {tuple(self.m.shape)}")
+        return self.m
 
 
-def _bucket_loss(model, feed, masks, ids, tok, pad, loss_index, targets, weight, label_smooth: float):
+def _bucket_loss(model, holders, masks, ids, tok, pad, loss_index, targets, weight, label_smooth: float):
     from .train import _token_nll  # (train imports this module)
 
-    feed.load(masks)
+    for h, m in zip(holders, masks):
+        h.m = m
     with autocast(model):
         h = model.hidden_unpadded(ids, tok, pad).index_select(0, loss_index)
         nll = _token_nll(model.lm_logits(h), targets, label_smooth)
@@ -56,7 +55,7 @@ class CompiledLoss:
     def __init__(self, backend: str = "inductor", length_multiple: int = 32):
         inner = lookup_backend(backend)
         self.backend, self.length_multiple, self.graphs, self.buckets = backend, length_multiple, 0, set()
-        self.feed = _MaskFeed()
+        self.holders: list[_FixedMask] = []  # one per LoRA layer with parity dropout (kept: dynamo guards them)
 
         def counting(gm, example_inputs):
             self.graphs += 1
@@ -75,17 +74,20 @@ class CompiledLoss:
         layers = _parity_layers(model)
         n = len(batch["token_index"])
         masks = tuple(_padded_mask(m.mask_source.mask((n, m.in_features), m.p), shape.tokens, dev) for m in layers)
-        sources = [m.mask_source for m in layers]
-        for m in layers:
-            m.mask_source = self.feed
+        self.holders += [_FixedMask() for _ in range(len(layers) - len(self.holders))]
+        holders = self.holders[: len(layers)]
+        others = [m for m in model.modules() if getattr(m, "mask_source", None) is not None and m not in layers]
+        sources = [m.mask_source for m in layers + others]
+        for m, h in zip(layers + others, holders + [None] * len(others)):  # the others draw nothing
+            m.mask_source = h
         try:
-            loss = self.fn(model, self.feed, masks, t["input_ids"], t["token_index"], t["pad_index"],
+            loss = self.fn(model, holders, masks, t["input_ids"], t["token_index"], t["pad_index"],
                            t["packed_loss_index"], t["targets"], t["loss_weight"], float(label_smooth))
         finally:
-            for m, src in zip(layers, sources):
+            for m, src in zip(layers + others, sources):
                 m.mask_source = src
-        if self.feed.i != len(masks):
-            raise RuntimeError(f"compiled step: {len(masks)} dropout masks drawn, {self.feed.i} used")
+            for h in holders:
+                h.m = None
         return loss
 
 
