@@ -34,16 +34,15 @@ def length_bucket(t: int, limit: int, multiple: int = 32) -> int:
 
 
 def count_bucket(n: int, steps_per_octave: int = 4, floor: int = 16) -> int:
-    """``n`` rounded up on a geometric grid: multiples of ``floor`` up to ``2 * floor``, then
-    ``steps_per_octave`` evenly spaced values per power of two (``16, 32, 40, 48, 56, 64, 80,
-    ...`` for the defaults): at most ``1 / steps_per_octave`` padding and a handful of buckets
-    per doubling of ``n``."""
+    """``n`` rounded up on a geometric grid: ``floor``, then ``steps_per_octave`` evenly spaced
+    values per power of two (``16, 20, 24, 28, 32, 40, 48, 56, 64, 80, ...`` for the defaults):
+    at most ``1 / steps_per_octave`` padding, ``steps_per_octave`` buckets per doubling of ``n``."""
     if n < 1:
         raise ValueError(f"count_bucket: need n >= 1, got {n}")
     if n <= floor:
         return floor
     octave = 1 << (int(n - 1).bit_length() - 1)  # largest power of two below n
-    step = max(octave // steps_per_octave, floor // steps_per_octave, 1)
+    step = max(octave // steps_per_octave, 1)
     return -(-n // step) * step
 
 
