@@ -70,9 +70,9 @@ def pad_to_bucket(batch: dict, shape: BucketShape) -> dict:
     ``token_index``, ``pad_index``, ``packed_loss_index``, ``targets``, ``loss_weight``."""
     ids = batch["input_ids"]
     B, T = ids.shape
-    n, l = len(batch["token_index"]), len(batch["targets"])
-    if (B, T) != (shape.rows, min(T, shape.length)) or shape.length < T or shape.tokens < n or shape.loss < l:
-        raise ValueError(f"pad_to_bucket: a batch of {B}x{T}, {n} tokens, {l} loss positions does not fit {shape}")
+    n, n_loss = len(batch["token_index"]), len(batch["targets"])
+    if B != shape.rows or shape.length < T or shape.tokens < n or shape.loss < n_loss:
+        raise ValueError(f"pad_to_bucket: a batch of {B}x{T}, {n} tokens, {n_loss} loss positions does not fit {shape}")
     t = shape.length
     out_ids = np.zeros((B, t), dtype=np.int64)
     out_ids[:, :T] = ids
@@ -82,10 +82,10 @@ def pad_to_bucket(batch: dict, shape: BucketShape) -> dict:
     pad = np.full(B * t, shape.tokens, dtype=np.int64)  # padded positions read the zero row
     pad[tok[:n]] = np.arange(n)
     loss = np.zeros(shape.loss, dtype=np.int64)
-    loss[:l] = batch["packed_loss_index"]
+    loss[:n_loss] = batch["packed_loss_index"]
     targets = np.zeros(shape.loss, dtype=np.int64)
-    targets[:l] = batch["targets"]
+    targets[:n_loss] = batch["targets"]
     weight = np.zeros(shape.loss, dtype=np.float32)
-    weight[:l] = 1.0
+    weight[:n_loss] = 1.0
     return {"input_ids": out_ids, "token_index": tok, "pad_index": pad, "packed_loss_index": loss,
             "targets": targets, "loss_weight": weight}

@@ -119,12 +119,12 @@ def test_buckets_policy_and_padding():
     batch = collate(_pairs(3, seed=9))
     shape = bucket_shape(batch, limit=128)
     p = pad_to_bucket(batch, shape)
-    n, l = len(batch["token_index"]), len(batch["targets"])
+    n, n_loss = len(batch["token_index"]), len(batch["targets"])
     assert p["input_ids"].shape == (3, shape.length) and len(p["token_index"]) == shape.tokens >= n
     assert np.array_equal(p["input_ids"].reshape(-1)[p["token_index"][:n]], batch["input_ids"].reshape(-1)[batch["token_index"]])
     assert np.array_equal(p["pad_index"][p["token_index"][:n]], np.arange(n))  # real tokens keep their rows
     assert (np.delete(p["pad_index"], p["token_index"][:n]) == shape.tokens).all()  # pads read the zero row
-    assert np.array_equal(p["packed_loss_index"][:l], batch["packed_loss_index"]) and p["loss_weight"].sum() == l
+    assert np.array_equal(p["packed_loss_index"][:n_loss], batch["packed_loss_index"]) and p["loss_weight"].sum() == n_loss
     with pytest.raises(ValueError, match="does not fit"):
         pad_to_bucket(batch, shape.__class__(3, shape.length, n - 1, shape.loss))
 

@@ -15,6 +15,7 @@ _import_jittor()
 from lora_core import build as _build
 
 from ._gpu_check import ensure_gpu_ok as _ensure_gpu_ok
+from .compile import set_compile
 from .device import peak_gpu_mb, to_device
 from .distributed import (
     all_reduce_sum,
@@ -36,7 +37,6 @@ from .lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from .compile import set_compile
 from .model import GPT2LMModel, KVCache, set_grad_checkpoint
 from .optim import AdamW
 from .precision import set_precision

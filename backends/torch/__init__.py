@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lora_core import build as _build
 
+from .compile import set_compile
 from .device import peak_gpu_mb, to_device
 from .distributed import (
     all_reduce_sum,
@@ -25,7 +26,6 @@ from .lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from .compile import set_compile
 from .model import GPT2LMModel, KVCache, set_grad_checkpoint
 from .optim import AdamW
 from .precision import set_precision
