@@ -43,8 +43,8 @@ def _bucket_loss(model, holders, masks, ids, tok, pad, loss_index, targets, weig
     for h, m in zip(holders, masks):
         h.m = m
     with autocast(model):
-        h = model.hidden_unpadded(ids, tok, pad).index_select(0, loss_index)
-        nll = _token_nll(model.lm_logits(h), targets, label_smooth)
+        hidden = model.hidden_unpadded(ids, tok, pad).index_select(0, loss_index)
+        nll = _token_nll(model.lm_logits(hidden), targets, label_smooth)
     return (nll * weight).sum() / weight.sum()
 
 
