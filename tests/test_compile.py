@@ -151,3 +151,12 @@ def test_jittor_refuses_compile():
     with pytest.raises(ValueError, match="jittor"):
         jt_be.set_compile(model, True)
     jt_be.set_compile(model, False)
+
+
+def test_data_parallel_refuses_compiled_model():
+    be = lora_core.get_backend("torch")
+    cfg = lora_core.gpt2_config("tiny-32")
+    model = be.build_model(cfg, CFG.lora_config(), base=lora_core.init_gpt2_weights(cfg, 0))
+    be.set_compile(model, True, "aot_eager")
+    with pytest.raises(ValueError, match="one process"):
+        be.data_parallel(model)

@@ -4,7 +4,7 @@ and loss, on shapes padded to the buckets of ``lora_core.buckets`` (so they repe
 Contract (same in every backend): ``set_compile(model, enabled=True)``; with it,
 ``train_step`` runs each micro-batch's forward pass and loss through one compiled graph per
 bucket (the backward pass is compiled with it); results match the eager step up to float
-rounding. Evaluation, decoding and the data-parallel step stay eager.
+rounding. Evaluation and decoding stay eager; the data-parallel step refuses a compiled model.
 """
 
 from __future__ import annotations
