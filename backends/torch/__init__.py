@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lora_core import build as _build
 
+from .compile import set_compile
 from .device import peak_gpu_mb, to_device
 from .distributed import (
     all_reduce_sum,
@@ -50,8 +51,8 @@ __all__ = [
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
     # data parallelism (backends/*/distributed.py)
     "all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group",
-    # device, precision, activation checkpointing (backends/*/device.py, precision.py, model.py)
-    "peak_gpu_mb", "set_grad_checkpoint", "set_precision", "to_device",
+    # device, precision, activation checkpointing, compiled step (device.py, precision.py, model.py, compile.py)
+    "peak_gpu_mb", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",
 ]
 
 # LoRA for any model (lora_core.targeting / injection / peft_format)

@@ -85,6 +85,9 @@ def data_parallel(model, loss: str = "lm"):
     """``DistributedDataParallel`` over ``model`` (moved to this rank's GPU under NCCL). Only
     the trainable (LoRA) parameters are synchronised; the frozen base is neither broadcast
     nor reduced."""
+    if getattr(model, "compiled_loss", None) is not None:
+        raise ValueError("compile (set_compile, --compile) runs on one process for now: the data-parallel "
+                         "step is not compiled; drop --compile with torchrun")
     if _device().type == "cuda":
         model.to(_device())
     frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]

@@ -41,7 +41,8 @@ class LoRALinear(nn.Module):
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.mask_source is not None and self.training and self.p > 0:
-            return x * torch.from_numpy(self.mask_source.mask(tuple(x.shape), self.p)).to(x.device)
+            m = self.mask_source.mask(tuple(x.shape), self.p)  # numpy, or a tensor in a compiled step
+            return x * (m if isinstance(m, torch.Tensor) else torch.from_numpy(m).to(x.device))
         return self.lora_dropout(x)
 
     def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

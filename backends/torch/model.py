@@ -272,7 +272,8 @@ def _checkpointed(block, x: torch.Tensor, unpad) -> torch.Tensor:
     """``block``'s output on the real tokens ``x`` (N, E) without keeping its activations:
     ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
     framework dropout repeats; numpy parity masks are replayed by ``ReplayMasks``)."""
-    layers = [m for m in block.modules() if getattr(m, "mask_source", None) is not None]
+    layers = [m for m in block.modules()  # a ``fixed`` source (a compiled step's) repeats itself
+              if getattr(m, "mask_source", None) is not None and not getattr(m.mask_source, "fixed", False)]
     replays = [ReplayMasks(m.mask_source) for m in layers]  # per layer: the first pass records
 
     def run(h):

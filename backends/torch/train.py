@@ -26,25 +26,35 @@ def manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
-    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
-    logits, targets = _gather_hidden(model, batch)
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float = 0.0) -> torch.Tensor:
+    """Per position ``(1-eps)*NLL + eps*mean(-log p)``, in float32."""
     logp = F.log_softmax(logits.float(), dim=-1)  # a no-op in fp32
     nll = -logp.gather(1, targets[:, None]).squeeze(1)
     if label_smooth > 0:
         nll = (1.0 - label_smooth) * nll + label_smooth * (-logp.mean(dim=-1))
-    return nll.mean()
+    return nll
+
+
+def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
+    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
+    logits, targets = _gather_hidden(model, batch)
+    return _token_nll(logits, targets, label_smooth).mean()
 
 
 def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smooth: float = 0.0,
                max_grad_norm: float = 0.0) -> dict:
     """One optimizer update over ``micro_batches`` (gradient accumulation: each micro-batch
-    loss is divided by their number, as the paper code does). Returns loss and grad norm."""
+    loss is divided by their number, as the paper code does); after ``set_compile`` each
+    micro-batch's forward pass and loss run compiled. Returns loss and grad norm."""
     model.train()
     total = 0.0
+    compiled = getattr(model, "compiled_loss", None)  # set_compile
     for mb in micro_batches:
-        with autocast(model):
-            loss = lm_loss(model, mb, label_smooth)
+        if compiled is not None:
+            loss = compiled(model, mb, label_smooth)
+        else:
+            with autocast(model):
+                loss = lm_loss(model, mb, label_smooth)
         optimizer.backward(loss, 1.0 / len(micro_batches))
         total += loss.item()
     norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")

@@ -13,6 +13,7 @@ and writes the run folder described in ``lora_core.trainer``. Examples::
     python -m examples.nlg.train ... --out-dir runs/toy --resume-from runs/toy/ckpt-600
                                    # when --resume reports the latest checkpoint damaged
     python -m examples.nlg.train ... --device cuda --precision bf16 --grad-checkpoint   # on a GPU
+    python -m examples.nlg.train ... --device cuda --compile        # torch: a compiled training step
     torchrun --nproc_per_node 2 -m examples.nlg.train --backend torch ...    # data parallel
     mpirun -np 2 python -m examples.nlg.train --backend jittor ...          # (as root: --allow-run-as-root)
 
@@ -98,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grad-checkpoint", action="store_true", help="recompute each block in the backward pass (less memory)"
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="DYNAMO_BACKEND",
+        help="torch backend: compile the training step (torch.compile over padded shape buckets; default "
+        "inductor, aot_eager compiles faster)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes (torchrun jobs)"
@@ -120,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         train_data = read_encoded(args.train)
         valid_data = read_encoded(args.valid) if args.valid else None
         model, note = build(backend, args, cfg.lora_config(), comm)
-        backend.to_device(model, args.device)  # device and grad_checkpoint do not change results: not in cfg
+        backend.to_device(model, args.device)  # device, grad_checkpoint, compile do not change results: not in cfg
         backend.set_grad_checkpoint(model, args.grad_checkpoint)
+        if args.compile:
+            backend.set_compile(model, True, args.compile)
         summary = train(
             backend,
             model,

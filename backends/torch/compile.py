@@ -1,0 +1,115 @@
+"""Captured training step for PyTorch: ``torch.compile`` of the per-micro-batch forward pass
+and loss, on shapes padded to the buckets of ``lora_core.buckets`` (so they repeat).
+
+Contract (same in every backend): ``set_compile(model, enabled=True)``; with it,
+``train_step`` runs each micro-batch's forward pass and loss through one compiled graph per
+bucket (the backward pass is compiled with it); results match the eager step up to float
+rounding. Evaluation and decoding stay eager; the data-parallel step refuses a compiled model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from lora_core.buckets import bucket_shape, pad_to_bucket
+
+from .lora import LoRALinear
+from .precision import autocast
+
+RECOMPILE_LIMIT = 64  # compiled graphs kept per model (dynamo's default, 8, is too few for the buckets)
+
+
+class _FixedMask:
+    """A parity-mode dropout mask drawn before the compiled call (numpy cannot be traced),
+    given to one LoRA layer inside it; the same each time it is asked (so activation
+    checkpointing's recomputation needs no replay: ``fixed``)."""
+
+    fixed = True
+
+    def __init__(self):
+        self.m = None
+
+    def mask(self, shape: tuple[int, ...], p: float) -> torch.Tensor:
+        if tuple(self.m.shape) != tuple(shape):
+            raise RuntimeError(f"compiled step: a LoRA layer asked for a mask of shape {tuple(shape)}, "
+                               f"drawn {tuple(self.m.shape)}")
+        return self.m
+
+
+def _bucket_loss(model, holders, masks, ids, tok, pad, loss_index, targets, weight, label_smooth: float):
+    from .train import _token_nll  # (train imports this module)
+
+    for h, m in zip(holders, masks):
+        h.m = m
+    with autocast(model):
+        hidden = model.hidden_unpadded(ids, tok, pad).index_select(0, loss_index)
+        nll = _token_nll(model.lm_logits(hidden), targets, label_smooth)
+    return (nll * weight).sum() / weight.sum()
+
+
+class CompiledLoss:
+    """``lm_loss`` through ``torch.compile`` (``backend``: a dynamo backend name, ``inductor``
+    for real runs); ``graphs`` counts the compilations, ``buckets`` the shapes met."""
+
+    def __init__(self, backend: str = "inductor", length_multiple: int = 32):
+        inner = lookup_backend(backend)
+        self.backend, self.length_multiple, self.graphs, self.buckets = backend, length_multiple, 0, set()
+        self.holders: list[_FixedMask] = []  # one per LoRA layer with parity dropout (kept: dynamo guards them)
+
+        def counting(gm, example_inputs):
+            self.graphs += 1
+            return inner(gm, example_inputs)
+
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
+        self.fn = torch.compile(_bucket_loss, backend=counting, fullgraph=True, dynamic=False)
+
+    def __call__(self, model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
+        shape = bucket_shape(batch, model.config.n_positions, self.length_multiple)
+        self.buckets.add(shape)
+        padded = pad_to_bucket(batch, shape)
+        dev = next(model.parameters()).device
+        t = {k: torch.from_numpy(v).to(dev) for k, v in padded.items()}
+        layers = _parity_layers(model)
+        n = len(batch["token_index"])
+        masks = tuple(_padded_mask(m.mask_source.mask((n, m.in_features), m.p), shape.tokens, dev) for m in layers)
+        self.holders += [_FixedMask() for _ in range(len(layers) - len(self.holders))]
+        holders = self.holders[: len(layers)]
+        others = [m for m in model.modules() if getattr(m, "mask_source", None) is not None and m not in layers]
+        sources = [m.mask_source for m in layers + others]
+        for m, h in zip(layers + others, holders + [None] * len(others)):  # the others draw nothing
+            m.mask_source = h
+        try:
+            loss = self.fn(model, holders, masks, t["input_ids"], t["token_index"], t["pad_index"],
+                           t["packed_loss_index"], t["targets"], t["loss_weight"], float(label_smooth))
+        finally:
+            for m, src in zip(layers + others, sources):
+                m.mask_source = src
+            for h in holders:
+                h.m = None
+        return loss
+
+
+def _parity_layers(model) -> list:
+    """LoRA layers that draw a numpy dropout mask in a training forward pass, in forward order."""
+    if not model.training:
+        return []
+    return [m for m in model.modules() if isinstance(m, LoRALinear) and m.r and not m.merged and m.p > 0
+            and m.mask_source is not None]
+
+
+def _padded_mask(mask, rows: int, dev) -> torch.Tensor:
+    out = torch.zeros((rows, mask.shape[1]), dtype=torch.float32)
+    out[: mask.shape[0]] = torch.from_numpy(mask)
+    return out.to(dev)
+
+
+def set_compile(model, enabled: bool = True, backend: str = "inductor") -> None:
+    """Run ``train_step``'s forward passes and loss through ``torch.compile`` (one graph per
+    shape bucket, ``lora_core.buckets``); ``backend``: the dynamo backend (``aot_eager``
+    compiles fast, for tests). The same updates as eager up to float rounding."""
+    model.compiled_loss = CompiledLoss(backend) if enabled else None
+
+
+__all__ = ["set_compile"]
