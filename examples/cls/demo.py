@@ -9,8 +9,8 @@
    pre-training on the SST-2 training sentences (``examples.cls.pretrain``, torch, seeded),
    saved as a HF folder, the format of ``distilbert-base-uncased``.
 3. In each backend, from that base: LoRA (r=4, alpha 8 on ``q_lin``/``v_lin``, the classifier
-   trained fully) with the ``sst2-demo`` recipe on the first ``--train-examples`` training
-   sentences, through the shared trainer, both backends drawing the same dropout masks.
+   trained fully) with the ``sst2-demo`` recipe (one epoch) on the training sentences (all, or
+   the first ``--train-examples``), through the shared trainer, both backends drawing the same dropout masks.
 4. Dev accuracy in both, predictions compared (dev and the unlabelled test set), loss curves
    compared and plotted, speed per update: ``OUT/report.md``, ``OUT/report.json``,
    ``OUT/loss_curves.png``.
@@ -38,9 +38,9 @@ from lora_core.trainer import read_log
 from ..nlg.demo import pin_threads
 
 
-def prepare_demo_data(data_dir: Path, out: Path, n_train: int) -> Path:
+def prepare_demo_data(data_dir: Path, out: Path, n_train: int | None) -> Path:
     """Encode SST-2 into ``OUT/sst2`` and write ``OUT/sst2-demo`` (the first ``n_train``
-    training sentences, all of dev and test); returns the latter."""
+    training sentences, all when None, all of dev and test); returns the latter."""
     from .prepare import prepare, read_prepared
 
     need = [data_dir / "sst2" / f"{s}.tsv" for s in ("train", "dev", "test")] + [data_dir / "distilbert-vocab" / "vocab.txt"]
@@ -126,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/cls-demo"))
     p.add_argument("--backends", default="torch,jittor")
     p.add_argument("--pretrain-steps", type=int, default=None, help="masked-LM steps (default: pretrain's)")
-    p.add_argument("--train-examples", type=int, default=8000, help="first N SST-2 training sentences for LoRA")
+    p.add_argument("--train-examples", type=int, default=None,
+                   help="LoRA on the first N SST-2 training sentences (default: all 67,349)")
     p.add_argument("--threads", type=int, default=1, help="threads for torch and jittor (the figures depend on it)")
     a = p.parse_args(argv)
-    if a.threads < 1 or a.train_examples < 64:
+    if a.threads < 1 or (a.train_examples is not None and a.train_examples < 64):
         p.error("--threads must be >= 1 and --train-examples >= 64")
     pin_threads(a.threads)
     from .pretrain import DEFAULTS, pretrain_mlm, read_train_ids
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare_demo_data(a.data_dir, a.out, a.train_examples)
         steps = a.pretrain_steps or DEFAULTS["steps"]
         t0 = time.time()
-        base = pretrain_mlm(read_train_ids(a.out / "sst2" / "train.jsonl"), a.out / "base", steps=steps, seed=0,
-                            overwrite=True)  # fmt: skip
+        warmup = DEFAULTS["warmup"] * steps // DEFAULTS["steps"]  # the same share of the run
+        base = pretrain_mlm(read_train_ids(a.out / "sst2" / "train.jsonl"), a.out / "base", steps=steps,
+                            warmup=warmup, seed=0, overwrite=True)  # fmt: skip
         pretrain = {"steps": steps, "seconds": time.time() - t0}
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
