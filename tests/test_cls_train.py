@@ -211,3 +211,28 @@ def test_bf16_classification_tracks_fp32(data, tmp_path):
     print(f"classification bf16 vs fp32, 24 updates: max relative loss difference {rel.max():.2e}")
     with pytest.raises(ValueError, match="not supported by the jittor backend"):
         _fit("jittor", data, tmp_path / "j16", apply_overrides(RECIPE, ["train.precision=bf16"]))
+
+
+def test_cli_device_and_precision(data, tmp_path):
+    """``--device`` places the run and changes no result (a resume may change it);
+    ``--precision`` reaches the run's configuration and may not change on resume; bad values
+    are one error naming the option and the choices."""
+    args = ["--base", str(data / "base"), "--max-steps", "4", "--set", "train.batch_size=16", "train.lr=1e-2",
+            "train.save_every=2", "train.log_every=1"]
+    r = _cli("torch", data, tmp_path / "run", *args, "--device", "cpu", "--precision", "bf16", "--stop-after", "3")
+    assert r.returncode != 0 and (tmp_path / "run" / "ckpt-2").is_dir() and not (tmp_path / "run" / "ckpt-4").exists()
+    r = _cli("torch", data, tmp_path / "run", *args, "--device", "auto", "--precision", "bf16", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert saved["train"]["precision"] == "bf16", saved
+    recs = [x for x in read_log(tmp_path / "run" / "log.jsonl") if x["kind"] == "train"]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4] and all("peak_gpu_mb" in x for x in recs)
+    r = _cli("torch", data, tmp_path / "run", *args, "--resume")
+    assert r.returncode != 0 and "train.precision: saved 'bf16', now 'fp32'" in r.stderr
+    r = _cli("torch", data, tmp_path / "x", *args, "--device", "cuda:x")
+    assert r.returncode != 0 and "device='cuda:x' is not a device; choose one of auto, cpu, cuda, cuda:N" in r.stderr
+    r = _cli("torch", data, tmp_path / "y", *args, "--precision", "fp8")
+    assert r.returncode == 2 and "invalid choice: 'fp8'" in r.stderr
+    r = _cli("jittor", data, tmp_path / "z", *args, "--precision", "fp16")
+    assert r.returncode != 0 and "not supported by the jittor backend" in r.stderr
+    assert not (tmp_path / "z" / "latest").exists()

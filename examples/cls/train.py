@@ -12,6 +12,7 @@ seeded classification head), injects LoRA as the recipe says, and trains with
         --prepared out/sst2 --base pretrained/distilbert-base-uncased --out-dir runs/sst2-torch
     python -m examples.cls.train ... --out-dir runs/sst2-torch --resume        # after a kill
     python -m examples.cls.train ... --set train.lr=5e-4 lora.r=8                # overrides
+    python -m examples.cls.train ... --device cuda --precision bf16             # on a GPU
     torchrun --nproc_per_node 2 -m examples.cls.train --backend torch ...      # data parallel
     mpirun -np 2 python -m examples.cls.train --backend jittor ...
 """
@@ -24,7 +25,9 @@ import sys
 from pathlib import Path
 
 import lora_core
+from lora_core.device import DEVICE_CHOICES
 from lora_core.distributed import run_job
+from lora_core.precision import PRECISIONS
 from lora_core.recipes import CLS_RECIPES, apply_overrides
 from lora_core.train_tasks import ClassificationTask
 from lora_core.trainer import train
@@ -63,11 +66,15 @@ def run(
     progress: bool = True,
     comm=None,
     kill_after: int | None = None,
+    device: str = "cpu",
 ) -> dict:
-    """Train, then predict dev and test; returns the trainer's summary and the metrics."""
+    """Train, then predict dev and test; returns the trainer's summary and the metrics.
+    ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (it changes no result: not part of the
+    run's configuration, so a resume may change it)."""
     backend = lora_core.get_backend(backend_name)
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
     model = build(backend, base, recipe)
+    backend.to_device(model, device)
     summary = train(
         backend,
         model,
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
     p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
+    p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true", help="continue from OUT/latest")
     resume.add_argument("--resume-from", type=Path, help="continue from this OUT/ckpt-N (after a damaged latest)")
@@ -111,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = apply_overrides(CLS_RECIPES[args.recipe], args.overrides)
         if args.max_steps is not None:
             recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=args.max_steps))
+        if args.precision is not None:
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision=args.precision))
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         summary = run(
@@ -124,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             comm=comm,
             kill_after=args.stop_after,
+            device=args.device,
         )
         metrics = summary.pop("metrics", {})
         summary.update({k: v for k, v in metrics.items() if k.endswith(("_accuracy", "_n"))})
