@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import pytest
+from helpers import MEASURED
 
 from examples.nlg import bench
 
@@ -58,3 +60,34 @@ def test_cls_bench_tiny_from_a_base(shared_dir, tmp_path, capsys):
     # no update yet changes the head's answer much: one update from the same weights and batch
     first = {s: raw[s][0]["loss"][0] for s in cls_bench.SYSTEMS}
     assert max(first.values()) - min(first.values()) < 0.05, first
+
+
+def test_cls_bench_systems_train_the_same_without_dropout(shared_dir, tmp_path, capsys):
+    """Same base, same LoRA init (ours copied into peft's layers), dropout off: the three
+    systems' losses agree over 4 updates and their dev predictions give the same accuracy; off
+    the distilbert shape the targets are information only."""
+    import torch
+    import transformers
+
+    from examples.cls import bench as cls_bench
+
+    data = shared_dir / "data"
+    if not (data / "sst2" / "dev.tsv").is_file():
+        pytest.skip(f"shared SST-2 data missing: {data}")
+    cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    torch.manual_seed(1)
+    transformers.DistilBertForMaskedLM(cfg).save_pretrained(tmp_path / "base")
+    out = tmp_path / "cls.json"
+    rc = cls_bench.main(["--data-dir", str(data), "--base", str(tmp_path / "base"), "--steps", "3", "--warmup", "1",
+                         "--no-dropout", "--json", str(out)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    assert "info (the targets are for the distilbert shape)" in table and "| yes |" not in table
+    raw = json.loads(out.read_text())["raw"]
+    ref = np.array(raw["ours-torch"][0]["loss"])
+    assert len(ref) == 4
+    for system in ("ours-jittor", "hf-peft"):
+        rel = np.abs(np.array(raw[system][0]["loss"]) - ref) / np.abs(ref)
+        assert rel.max() < 1e-4, (system, rel)
+        MEASURED[f"cls bench, no dropout: {system} vs ours-torch loss (4 updates)"] = float(rel.max())
+    assert len({raw[s][0]["dev_accuracy"] for s in cls_bench.SYSTEMS}) == 1, raw
