@@ -49,6 +49,7 @@ __all__ = [
     "write_checkpoint",
     "read_checkpoint",
     "remove_temp_files",
+    "open_run_dir",
 ]
 
 LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
@@ -231,3 +232,45 @@ def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
     if bad:
         raise CheckpointError(f"{path / STATE_JSON}: not a trainer state (no integer {bad})")
     return tensors, opt, meta
+
+
+def _with_defaults(saved: dict) -> dict:
+    """A saved run config with the keys added since it was written at their defaults (a run
+    folder of an older version resumes: it trained an LM, in fp32, ...)."""
+    from .recipes import TrainConfig
+
+    saved = dict(saved, task=saved.get("task", "lm"))
+    if isinstance(saved.get("train"), dict):
+        saved["train"] = {**TrainConfig().to_dict(), **saved["train"]}
+    return saved
+
+
+def open_run_dir(out: Path, run: dict, resume: bool, adapter, resume_from=None):
+    """Make ``out`` ready for a run described by ``run`` (the run configuration): a new run
+    needs a folder without a previous run; a resume needs the saved configuration to match
+    (keys that older versions did not write count at their defaults). Removes temp leftovers,
+    writes ``train_config.json``, and returns what to resume from (``resume_point``'s
+    ``(path, (tensors, optimizer state, meta))``) or None."""
+    out.mkdir(parents=True, exist_ok=True)
+    old = out / CONFIG_FILE
+    if not resume and (old.exists() or (out / LOG_FILE).exists() or find_checkpoint(out) is not None):
+        raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
+    remove_temp_files(out)  # leftovers of a killed save
+    if resume and old.is_file():
+        diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8"))), run)
+        if diff:
+            if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
+                diff.append(
+                    "(batch_size is the global batch of all processes: a resume on another number "
+                    "of processes must keep batch_size and grad_accum)"
+                )
+            raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
+    write_json_atomic(old, run)
+    return resume_point(out, adapter, resume_from) if resume else None
+
+
+def truncate_log(out: Path, step: int) -> None:
+    """Drop the log lines past ``step`` (a resumed run writes them again)."""
+    log = out / LOG_FILE
+    keep = [r for r in read_log(log) if r.get("step", 0) <= step] if log.is_file() else []
+    atomic_write(log, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in keep)))

@@ -52,7 +52,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import atomic_write, write_json_atomic
 from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
 from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
 from .dropout import NumpyDropout
@@ -61,15 +60,13 @@ from .precision import precision_log
 from .progress import step_bar
 from .recipes import TrainConfig
 from .run_dir import (
-    CONFIG_FILE,
     LATEST_FILE,
     LOG_FILE,
-    config_diff,
     find_checkpoint,
+    open_run_dir,
     read_checkpoint,
     read_log,
-    remove_temp_files,
-    resume_point,
+    truncate_log,
     write_checkpoint,
 )
 from .schedule import lr_at
@@ -183,30 +180,11 @@ class Trainer:
         return self.task.adapter_files(self.backend, self.model, self.base_note)
 
     def _prepare_dir(self, pairs, resume: bool, resume_from=None) -> None:
-        out, run = self.out_dir, self._run_config(pairs)
-        out.mkdir(parents=True, exist_ok=True)
-        old = out / CONFIG_FILE
-        if not resume:
-            if old.exists() or (out / LOG_FILE).exists() or find_checkpoint(out) is not None:
-                raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
-        remove_temp_files(out)  # leftovers of a killed save
-        if resume and old.is_file():
-            diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8"))), run)
-            if diff:
-                if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
-                    diff.append(
-                        "(batch_size is the global batch of all processes: a resume on another number "
-                        "of processes must keep batch_size and grad_accum)"
-                    )
-                raise ValueError(f"{out}: cannot resume, the run differs from the saved one:\n  " + "\n  ".join(diff))
-        write_json_atomic(old, run)
-        found = resume_point(out, self._adapter_files(), resume_from) if resume else None
+        found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self._adapter_files(), resume_from)
         if found is not None:
             self._restore(*found[1])
-        if resume:  # drop log lines past the checkpoint: the resumed run writes them again
-            log = out / LOG_FILE
-            keep = [r for r in read_log(log) if r.get("step", 0) <= self.state.step] if log.is_file() else []
-            atomic_write(log, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in keep)))
+        if resume:
+            truncate_log(self.out_dir, self.state.step)
 
     def _prepare(self, pairs, resume: bool, resume_from=None) -> None:
         """Check that every rank runs the same code and configuration, let rank 0 prepare the
@@ -425,15 +403,6 @@ class Trainer:
             }
         )
         return res
-
-
-def _with_defaults(saved: dict) -> dict:
-    """A saved run config with the keys added since it was written at their defaults (a run
-    folder of an older version resumes: it trained an LM, in fp32, ...)."""
-    saved = dict(saved, task=saved.get("task", "lm"))
-    if isinstance(saved.get("train"), dict):
-        saved["train"] = {**TrainConfig().to_dict(), **saved["train"]}
-    return saved
 
 
 def train(
