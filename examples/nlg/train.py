@@ -61,7 +61,8 @@ def build(backend, args, lora, comm):
     return backend.build_model(cfg, lora, base=base), note
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options."""
     parser = argparse.ArgumentParser(prog="python -m examples.nlg.train", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
     parser.add_argument("--recipe", required=True, choices=sorted(RECIPES))
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes (torchrun jobs)"
     )
     parser.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.vocab_size and not args.random_init:
         parser.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
