@@ -32,21 +32,28 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
         assert len(result["summary"][shape]["targets"]) == len(bench.TARGETS)
 
 
-def test_cls_bench_tiny_from_a_base(shared_dir, tmp_path, capsys):
-    """The DistilBERT/SST-2 benchmark starts every system from one HF base folder (a head-less
-    masked-LM checkpoint: same seeded head everywhere) and reports dev accuracy over all 872
-    dev sentences."""
+def _sst2_and_tiny_base(shared_dir, tmp_path, seed: int):
+    """The shared data folder (skip without SST-2) and a tiny head-less HF DistilBERT masked-LM
+    folder in ``tmp_path/base`` drawn with ``seed``."""
     import torch
     import transformers
-
-    from examples.cls import bench as cls_bench
 
     data = shared_dir / "data"
     if not (data / "sst2" / "dev.tsv").is_file():
         pytest.skip(f"shared SST-2 data missing: {data}")
     cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.DistilBertForMaskedLM(cfg).save_pretrained(tmp_path / "base")
+    return data
+
+
+def test_cls_bench_tiny_from_a_base(shared_dir, tmp_path, capsys):
+    """The DistilBERT/SST-2 benchmark starts every system from one HF base folder (a head-less
+    masked-LM checkpoint: same seeded head everywhere) and reports dev accuracy over all 872
+    dev sentences."""
+    from examples.cls import bench as cls_bench
+
+    data = _sst2_and_tiny_base(shared_dir, tmp_path, seed=0)
     out = tmp_path / "cls.json"
     rc = cls_bench.main(["--data-dir", str(data), "--base", str(tmp_path / "base"), "--steps", "1", "--warmup", "0",
                          "--json", str(out)])  # fmt: skip
@@ -66,17 +73,9 @@ def test_cls_bench_systems_train_the_same_without_dropout(shared_dir, tmp_path, 
     """Same base, same LoRA init (ours copied into peft's layers), dropout off: the three
     systems' losses agree over 4 updates and their dev predictions give the same accuracy; off
     the distilbert shape the targets are information only."""
-    import torch
-    import transformers
-
     from examples.cls import bench as cls_bench
 
-    data = shared_dir / "data"
-    if not (data / "sst2" / "dev.tsv").is_file():
-        pytest.skip(f"shared SST-2 data missing: {data}")
-    cfg = transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)
-    torch.manual_seed(1)
-    transformers.DistilBertForMaskedLM(cfg).save_pretrained(tmp_path / "base")
+    data = _sst2_and_tiny_base(shared_dir, tmp_path, seed=1)
     out = tmp_path / "cls.json"
     rc = cls_bench.main(["--data-dir", str(data), "--base", str(tmp_path / "base"), "--steps", "3", "--warmup", "1",
                          "--no-dropout", "--json", str(out)])  # fmt: skip

@@ -76,17 +76,19 @@ def batches(data_dir: Path, n: int | None, size: int, split: str = "train") -> l
 TARGETS_CFG = lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), modules_to_save=("classifier",))
 
 
-def share_lora_init(peft_model, seed: int) -> None:
-    """Give a peft model the LoRA init our backends draw (``init_lora_arrays``, seeded per
-    module name): every system then starts from the same numbers, not only the same base."""
+def share_lora_init(peft_model, cfg: lc.LoRATargetConfig = TARGETS_CFG) -> None:
+    """Give a peft model the LoRA init our backends draw for ``cfg`` (``init_lora_arrays``,
+    seeded per module name): every system then starts from the same numbers, not only the
+    same base."""
     import torch
 
     from lora_core.targeting import LayerPlan, init_lora_arrays
 
     prefix = "base_model.model."
     mods = {n[len(prefix) :]: m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
-    plans = {n: LayerPlan(n, "linear", m.in_features, m.out_features, 4, 8.0, 2.0) for n, m in mods.items()}
-    values = init_lora_arrays(plans, seed)
+    scaling = cfg.alpha / cfg.r
+    plans = {n: LayerPlan(n, "linear", m.in_features, m.out_features, cfg.r, cfg.alpha, scaling) for n, m in mods.items()}
+    values = init_lora_arrays(plans, cfg.seed)
     with torch.no_grad():
         for n, m in mods.items():
             m.lora_A["default"].weight.copy_(torch.from_numpy(values[f"{n}.lora_A"]))
@@ -121,9 +123,11 @@ class HFPeft:
         hf_cfg = transformers.DistilBertConfig(**{k: v for k, v in cfg.to_dict().items() if k != "initializer_range"})
         model = transformers.DistilBertForSequenceClassification(hf_cfg)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
-        lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_lin", "v_lin"], modules_to_save=["classifier"])
+        t = TARGETS_CFG
+        lcfg = peft.LoraConfig(r=t.r, lora_alpha=t.alpha, target_modules=list(t.target_modules),
+                               modules_to_save=list(t.modules_to_save))  # fmt: skip
         self.torch, self.model = torch, peft.get_peft_model(model, lcfg)
-        share_lora_init(self.model, TARGETS_CFG.seed)
+        share_lora_init(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
