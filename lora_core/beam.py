@@ -14,6 +14,9 @@ only when every beam of every input is finished (-inf), which cannot change the 
 The prompt is processed once per input (left-padded batch with an attention mask, so each
 row equals its prompt alone) and the cache is then repeated ``beam`` times; the paper code
 runs the padded prompt ``beam`` times and lets generated tokens attend to padding.
+
+A step's scoring (post-processing, log-sum-exp, each row's best candidates) lives in
+``lora_core.beam_scoring``, on the host or on the backend's device.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from .beam_scoring import Candidates, apply_edits, banned_ngram_tokens, host_candidates, logit_edits, row_topk
+
+__all__ = ["BeamConfig", "BeamSearch", "banned_ngram_tokens", "beam_search_batched", "compose_rows", "left_pad",
+           "postprocess", "row_topk", "run_beam_search"]
 
 
 @dataclass(frozen=True)
@@ -43,43 +51,9 @@ class BeamConfig:
             raise ValueError(f"BeamConfig.repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
 
-def logsumexp(x: np.ndarray) -> np.ndarray:
-    """Per-row ``log(sum(exp(x)))`` (max-shifted), shape (rows,)."""
-    m = x.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    z = x - m
-    np.exp(z, out=z)
-    with np.errstate(divide="ignore"):
-        return (m + np.log(z.sum(-1, keepdims=True)))[:, 0]
-
-
-def banned_ngram_tokens(history: np.ndarray, n: int) -> list[list[int]]:
-    """Per row, tokens that would repeat an n-gram already in the row (fairseq)."""
-    rows, t = history.shape
-    if n <= 0 or t + 1 < n:
-        return [[] for _ in range(rows)]
-    out = []
-    for row in history.tolist():
-        prefix = tuple(row[t + 1 - n:]) if n > 1 else ()
-        out.append([g[-1] for g in zip(*[row[i:] for i in range(n)]) if tuple(g[:-1]) == prefix])
-    return out
-
-
 def postprocess(logits: np.ndarray, history: np.ndarray | None, cur_len: int, cfg: BeamConfig) -> np.ndarray:
-    """Repetition penalty, min-length eos ban and no-repeat n-grams (in place on a copy)."""
-    scores = np.array(logits, dtype=np.float32)
-    if history is not None and cfg.repetition_penalty != 1.0:
-        for i, row in enumerate(history):
-            toks = np.unique(row)
-            s = scores[i, toks]
-            scores[i, toks] = np.where(s < 0, s * cfg.repetition_penalty, s / cfg.repetition_penalty)
-    if cur_len < cfg.min_length:
-        scores[:, list(cfg.stop_ids)] = -np.inf
-    if history is not None and cfg.no_repeat_ngram_size > 0:
-        for i, banned in enumerate(banned_ngram_tokens(history, cfg.no_repeat_ngram_size)):
-            if banned:
-                scores[i, banned] = -np.inf
-    return scores
+    """Repetition penalty, min-length eos ban and no-repeat n-grams, on a float32 copy."""
+    return apply_edits(np.array(logits, dtype=np.float32), logit_edits(history, cur_len, len(logits), cfg))
 
 
 class BeamSearch:
@@ -92,36 +66,47 @@ class BeamSearch:
         self.best_score = [-np.inf] * batch_size
         self.best: list[list[int] | None] = [None] * batch_size
         self.step_index = 0
+        self._scratch: np.ndarray | None = None  # host scoring's work array
 
     @property
     def done(self) -> bool:
         return self.step_index >= self.cfg.max_new_tokens or (self.step_index > 0 and np.isneginf(self.scores).all())
 
-    def step(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Advance one token. ``logits``: (B*beam, V) for each row's next token.
+    def step(self, logits, overwrite: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Advance one token. ``logits``: (B*beam, V) for each row's next token, a numpy array
+        (host scoring; float32 logits are post-processed in place when ``overwrite``) or a
+        backend's device logits (an object with ``shape`` and ``candidates(edits, kk)``,
+        see ``lora_core.beam_scoring``).
 
         Returns:
             ``(rows, tokens)``: for each new row, the old row it continues (reorder the
             cache with it) and the token it appends, both (B*beam,) int64.
         """
-        B, k = self.B, self.k
-        if np.isnan(logits).any():
+        V = logits.shape[-1]
+        edits = logit_edits(self.history, self.step_index, logits.shape[0], self.cfg)
+        if hasattr(logits, "candidates"):
+            cand = logits.candidates(edits, min(self.k, V))
+        else:
+            x = logits if overwrite and logits.dtype == np.float32 else np.array(logits, dtype=np.float32)
+            if self._scratch is None or self._scratch.shape != x.shape:
+                self._scratch = np.empty_like(x)
+            cand = host_candidates(x, edits, min(self.k, V), self._scratch)
+        if np.isnan(cand.lse).any():
             raise FloatingPointError(f"beam search step {self.step_index}: the model returned NaN logits "
-                                     f"(rows {np.flatnonzero(np.isnan(logits).any(1))[:10].tolist()})")
-        x = postprocess(logits, self.history, self.step_index, self.cfg)  # (B*k, V)
-        lse = logsumexp(x)  # log-probs are x - lse: only the candidates' are formed
-        V = x.shape[-1]
+                                     f"(rows {np.flatnonzero(np.isnan(cand.lse))[:10].tolist()})")
+        return self._advance(cand, V)
+
+    def _advance(self, cand: Candidates, V: int) -> tuple[np.ndarray, np.ndarray]:
+        B, k = self.B, self.k
         if self.step_index == 0:  # all beams hold the same prompt: candidates of beam 0 only
-            first = x.reshape(B, k, V)[:, 0, :]
-            index = row_topk(first, k)  # (B, k) tokens
-            cand = (np.take_along_axis(first, index, 1) - lse[::k, None]).astype(np.float64)
+            index = cand.cols[::k]  # (B, k) tokens
+            scores = (cand.vals[::k] - cand.lse[::k, None]).astype(np.float64)
         else:  # the global top k of beam x vocab is among each beam's own top k
-            part = row_topk(x, min(k, V))  # (B*k, kk) tokens
-            logp = np.take_along_axis(x, part, 1) - lse[:, None]
-            cand = (self.scores.reshape(-1, 1) + logp).reshape(B, -1)
-            index = (part + (np.arange(B * k) % k)[:, None] * V).reshape(B, -1)
-        top = _topk(cand, index, k)  # (B, k) positions in cand, by score then flat index
-        self.scores = np.take_along_axis(cand, top, 1)
+            logp = cand.vals - cand.lse[:, None]
+            scores = (self.scores.reshape(-1, 1) + logp).reshape(B, -1)
+            index = (cand.cols + (np.arange(B * k) % k)[:, None] * V).reshape(B, -1)
+        top = _topk(scores, index, k)  # (B, k) positions in scores, by score then flat index
+        self.scores = np.take_along_axis(scores, top, 1)
         flat = np.take_along_axis(index, top, 1)  # beam * V + token
         beam_id, tokens = flat // V, (flat % V).reshape(-1)
         rows = (beam_id + np.arange(B)[:, None] * k).reshape(-1)
@@ -149,46 +134,6 @@ class BeamSearch:
     def results(self) -> list[list[int]]:
         """Best sequence per input (generated tokens, ending with its stop token if it stopped)."""
         return [b if b is not None else [] for b in self.best]
-
-
-def _n_blocks(n: int, target: int = 64) -> int:
-    """A divisor of ``n`` near ``n / target`` (rows then reshape into strided blocks without a copy)."""
-    divisors = [d for d in range(max(1, n // 256), n // 16 + 1) if n % d == 0]
-    return min(divisors, key=lambda d: abs(n // d - target)) if divisors else 0
-
-
-def row_topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Column indices of the k largest per row, by value descending then index ascending.
-
-    Exact, and faster than ``argpartition`` on wide rows: columns are grouped into ``nb``
-    strided blocks (block j = columns j, j + nb, ...); every block whose maximum reaches the
-    k-th largest block maximum is kept (k blocks, more on ties), and since any other block
-    is beaten by k blocks' maxima, the k largest entries lie in the kept ones.
-    """
-    rows, n = x.shape
-    nb = _n_blocks(n)
-    if nb <= k:
-        cols = np.broadcast_to(np.arange(n), (rows, n))
-    else:
-        bmax = x.reshape(rows, n // nb, nb).max(1)  # (rows, nb): max over each strided block
-        part = np.argpartition(bmax, nb - k, axis=1)[:, nb - k:]
-        kth = np.take_along_axis(bmax, part, 1).min(1)
-        counts = (bmax >= kth[:, None]).sum(1)
-        if (counts == k).all():  # no ties at the boundary: the argpartition blocks are the kept ones
-            blocks = part
-        else:  # keep every tied block; rows with fewer repeat their last block (repeats dropped below)
-            kept = [np.flatnonzero(bm >= t) for bm, t in zip(bmax, kth)]
-            blocks = np.array([np.concatenate([b, np.full(counts.max() - len(b), b[-1])]) for b in kept])
-        cols = (blocks[:, :, None] + nb * np.arange(n // nb)).reshape(rows, -1)
-    vals = np.take_along_axis(x, cols, 1)
-    ranked = np.take_along_axis(cols, np.lexsort((cols, -vals), axis=-1), 1)
-    if nb <= k or (counts == k).all():
-        return ranked[:, :k]
-    out = np.empty((rows, k), dtype=np.int64)
-    for r, row in enumerate(ranked):  # drop the repeated columns of filler blocks
-        _, first = np.unique(row, return_index=True)
-        out[r] = row[np.sort(first)][:k]
-    return out
 
 
 def _topk(x: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:
@@ -243,10 +188,10 @@ def run_beam_search(forward: Callable, repeat_rows: Callable, reorder: Callable,
     logits, past = forward(ids, None, mask)
     k = cfg.beam
     past, mask = repeat_rows(past, k), np.repeat(mask, k, axis=0)
-    logits = np.repeat(logits, k, axis=0)
+    logits = np.repeat(logits, k, axis=0) if isinstance(logits, np.ndarray) else logits.repeat_rows(k)
     search = BeamSearch(len(contexts), cfg)
     while True:
-        rows, tokens = search.step(logits)
+        rows, tokens = search.step(logits, overwrite=True)
         if search.done:
             break
         past = reorder(past, rows)

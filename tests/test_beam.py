@@ -86,3 +86,42 @@ def test_row_topk_exact_with_ties(n):
     tied[1, 7] = 1
     for a in (x, np.round(x, 1), tied):
         assert (row_topk(a, 10) == full_sort(a, 10)).all()
+
+
+def test_device_scoring_gives_the_host_scoring_beams(backend, tiny):
+    """Scoring on the device (post-processing, log-sum-exp and top-k in the framework, only
+    candidates to numpy) decodes exactly what host scoring decodes, with every edit in play."""
+    cfg, base = tiny
+    m = backend.build_model(cfg, None, base)
+    ctxs = [list(np.random.default_rng(10 + i).integers(1, 999, 3 + i)) for i in range(5)]
+    bc = BeamConfig(beam=4, max_new_tokens=12, stop_ids=(5, 7, 9), length_penalty=0.8, repetition_penalty=1.3,
+                    min_length=4, no_repeat_ngram_size=2)
+    host = backend.beam_search(m, ctxs, bc, batch_size=3, scoring="host")
+    assert backend.beam_search(m, ctxs, bc, batch_size=3, scoring="device") == host
+    assert all(len(r) >= 4 for r in host)  # min_length held
+    with pytest.raises(ValueError, match="unknown scoring 'gpu'.*auto, host, device"):
+        backend.beam_search(m, ctxs, bc, scoring="gpu")
+
+
+def test_resolve_topk_fetches_rows_whose_ties_reach_past_the_margin():
+    """A device's top-m in arbitrary tie order becomes the exact (value, then id) ranking; a
+    row whose m-th value still ties the k-th is ranked whole on the host."""
+    from lora_core.beam_scoring import resolve_topk, row_topk
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 40)).astype(np.float32)
+    x[1, ::3] = 5.0  # 14 tied maxima: more than k + margin
+    x[2, [30, 4, 17]] = 7.0  # three tied maxima inside the margin
+    m, k = 6, 3
+    shuffled = [rng.permutation(np.argsort(-row, kind="stable")[:m]) for row in x]  # top-m, ties in any order
+    cols = np.array([c[np.argsort(-x[r, c], kind="stable")] for r, c in enumerate(shuffled)])
+    vals = np.take_along_axis(x, cols, 1)
+    fetched = []
+
+    def full_rows(rows):
+        fetched.append(rows.tolist())
+        return x[rows]
+
+    got = resolve_topk(vals, cols, np.zeros(3), k, full_rows)
+    assert (got.cols == row_topk(x, k)).all() and (got.vals == np.take_along_axis(x, got.cols, 1)).all()
+    assert fetched == [[1]]

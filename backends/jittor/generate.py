@@ -6,17 +6,42 @@ from __future__ import annotations
 import jittor as jt
 
 from lora_core.beam import BeamConfig, beam_search_batched
+from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
 
 from .model import KVCache
 
 
-def _forward(model):
+class DeviceLogits:
+    """Next-token logits left on jittor's device for device scoring (contract in
+    ``backends.torch.generate.DeviceLogits``)."""
+
+    def __init__(self, logits: jt.Var):
+        self.logits, self.shape = logits, tuple(logits.shape)
+
+    def repeat_rows(self, n: int) -> DeviceLogits:
+        return DeviceLogits(self.logits.repeat_interleave(n, 0))
+
+    def candidates(self, edits: LogitEdits, kk: int) -> Candidates:
+        x = self.logits
+        if len(edits.pen_rows):
+            at = (jt.array(edits.pen_rows), jt.array(edits.pen_cols))
+            s = x[at]
+            x[at] = jt.where(s < 0, s * edits.penalty, s / edits.penalty)
+        if len(edits.ban_rows):
+            x[jt.array(edits.ban_rows), jt.array(edits.ban_cols)] = float("-inf")
+        vals, cols = jt.topk(x, min(kk + TIE_MARGIN, x.shape[1]), dim=-1)
+        lse = x.logsumexp(-1)
+        jt.sync([vals, cols, lse])
+        return resolve_topk(vals.numpy(), cols.numpy(), lse.numpy(), kk, lambda rows: x[jt.array(rows)].numpy())
+
+
+def _forward(model, on_device: bool):
     def forward(ids, past, mask):
         with jt.no_grad():
             h, past = model.hidden(ids, past=past, attention_mask=mask)
             logits = model.lm_logits(h[:, -1])
             jt.sync([logits] + [t for kv in (past.generated if isinstance(past, KVCache) else past) for t in kv])
-            return logits.numpy(), past
+            return (DeviceLogits(logits) if on_device else logits.numpy()), past
     return forward
 
 
@@ -31,11 +56,14 @@ def _reorder(cache, rows):
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
-                progress: bool = False) -> list:
-    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
+                progress: bool = False, scoring: str = "auto") -> list:
+    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time;
+    ``scoring`` as in ``backends.torch.generate.beam_search``."""
+    on_device = scoring_on_device(scoring, bool(jt.flags.use_cuda))
     model.eval()
     with model.decoding(rows=batch_size * cfg.beam):
-        return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
+        return beam_search_batched(_forward(model, on_device), _repeat_rows, _reorder, contexts, cfg, batch_size,
+                                   progress)
 
 
-__all__ = ["BeamConfig", "beam_search"]
+__all__ = ["BeamConfig", "DeviceLogits", "beam_search"]

@@ -2,7 +2,7 @@
 ``lora_core.beam.run_beam_search`` (all bookkeeping lives there).
 
 Contract (same in every backend): ``beam_search(model, contexts, cfg, batch_size=8,
-progress=False) -> list[list[int]]`` (generated tokens per context).
+progress=False, scoring="auto") -> list[list[int]]`` (generated tokens per context).
 """
 
 from __future__ import annotations
@@ -12,18 +12,44 @@ import contextlib
 import torch
 
 from lora_core.beam import BeamConfig, beam_search_batched
+from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
 
 from .model import KVCache
 from .precision import autocast
 
 
-def _forward(model):
+class DeviceLogits:
+    """Next-token logits (rows, V) left on the model's device for device scoring
+    (``lora_core.beam_scoring``): post-processing, log-sum-exp and each row's top
+    ``kk + TIE_MARGIN`` happen there; only those come to the host."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits, self.shape = logits, tuple(logits.shape)
+
+    def repeat_rows(self, n: int) -> DeviceLogits:
+        return DeviceLogits(self.logits.repeat_interleave(n, 0))
+
+    def candidates(self, edits: LogitEdits, kk: int) -> Candidates:
+        x, dev = self.logits, self.logits.device
+        if len(edits.pen_rows):
+            at = (torch.from_numpy(edits.pen_rows).to(dev), torch.from_numpy(edits.pen_cols).to(dev))
+            s = x[at]
+            x[at] = torch.where(s < 0, s * edits.penalty, s / edits.penalty)
+        if len(edits.ban_rows):
+            x[torch.from_numpy(edits.ban_rows).to(dev), torch.from_numpy(edits.ban_cols).to(dev)] = float("-inf")
+        vals, cols = torch.topk(x, min(kk + TIE_MARGIN, x.shape[1]), dim=-1)
+        lse = torch.logsumexp(x, dim=-1)
+        return resolve_topk(vals.cpu().numpy(), cols.cpu().numpy(), lse.cpu().numpy(), kk,
+                            lambda rows: x[torch.from_numpy(rows).to(dev)].cpu().numpy())
+
+
+def _forward(model, on_device: bool):
     @torch.no_grad()
     def forward(ids, past, mask):
         with autocast(model):
             h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
-            logits = model.lm_logits(h[:, -1])
-        return logits.float().cpu().numpy(), past
+            logits = model.lm_logits(h[:, -1]).float()
+        return (DeviceLogits(logits) if on_device else logits.cpu().numpy()), past
     return forward
 
 
@@ -37,12 +63,17 @@ def _reorder(cache, rows):
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
-                progress: bool = False) -> list:
-    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time."""
+                progress: bool = False, scoring: str = "auto") -> list:
+    """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time.
+    ``scoring``: where each step's logits are reduced (``lora_core.beam_scoring``): "host"
+    (numpy), "device" (the model's device, only candidates to the host) or "auto" (device
+    on a GPU, host on the CPU, where numpy's ranking is the faster)."""
+    on_device = scoring_on_device(scoring, next(model.parameters()).device.type != "cpu")
     model.eval()
     exact = getattr(model, "precision", "fp32") == "fp32"  # the packed decoding weights are float32-only
     with model.decoding(rows=batch_size * cfg.beam) if exact else contextlib.nullcontext():
-        return beam_search_batched(_forward(model), _repeat_rows, _reorder, contexts, cfg, batch_size, progress)
+        return beam_search_batched(_forward(model, on_device), _repeat_rows, _reorder, contexts, cfg, batch_size,
+                                   progress)
 
 
-__all__ = ["BeamConfig", "beam_search"]
+__all__ = ["BeamConfig", "DeviceLogits", "beam_search"]
