@@ -203,3 +203,21 @@ def test_cuda_training_matches_cpu_and_checkpoints_cross(tmp_path):
     bf16 = run(tmp_path / "bf16", "cuda", "bf16")
     rel = np.abs(np.array([x["loss"] for x in bf16]) - [x["loss"] for x in gpu]) / [x["loss"] for x in gpu]
     assert 0 < rel.max() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="no CUDA GPU")
+def test_cuda_beam_scores_on_the_device_and_decodes_what_the_cpu_decodes():
+    """On a GPU, beam search ranks each step on the device (scoring "auto") and gives the CPU's
+    host-scored beams."""
+    from lora_core.beam import BeamConfig
+
+    bt = lc.get_backend("torch")
+    cfg = lc.gpt2_config("tiny")
+    model = bt.build_model(cfg, None, lc.init_gpt2_weights(cfg, 0))
+    ctxs = [list(np.random.default_rng(i).integers(1, 999, 3 + i)) for i in range(6)]
+    bc = BeamConfig(beam=4, max_new_tokens=12, stop_ids=(5, 7, 9), length_penalty=0.8, repetition_penalty=1.2,
+                    min_length=3)
+    cpu = bt.beam_search(model, ctxs, bc, batch_size=3)
+    bt.to_device(model, "cuda")
+    assert bt.beam_search(model, ctxs, bc, batch_size=3) == cpu

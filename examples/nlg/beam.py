@@ -20,6 +20,7 @@ import dataclasses
 from pathlib import Path
 
 import lora_core
+from lora_core.beam_scoring import SCORING
 from lora_core.data import group_references, read_formatted, write_jsonl_atomic
 from lora_core.device import DEVICE_CHOICES
 from lora_core.distributed import batch_shard, gather_outputs, run_job
@@ -29,10 +30,10 @@ from lora_core.tokenizer import load_tokenizer
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
-                    progress: bool = True) -> list[list[int]]:
+                    progress: bool = True, scoring: str = "auto") -> list[list[int]]:
     """Prompt layout of the paper (``bpe(context) + [eos]``), then batched beam search."""
     prompts = [tok.encode(c) + [tok.eos_id] for c in contexts]
-    return backend.beam_search(model, prompts, beam_cfg, batch_size=batch_size, progress=progress)
+    return backend.beam_search(model, prompts, beam_cfg, batch_size=batch_size, progress=progress, scoring=scoring)
 
 
 def write_beam_jsonl(path, outputs: list[list[int]]) -> None:
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="forward-pass precision")
+    p.add_argument("--scoring", choices=SCORING, default="auto",
+                   help="where each step's logits are ranked: on the model's device (only candidates reach the "
+                        "host) or on the host with numpy; auto: device on a GPU, host on the CPU")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
     a = p.parse_args(argv)
     def body(job) -> str:
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
         start, stop = batch_shard(len(groups), a.batch_size, comm.world)
         mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,
-                               progress=comm.world.is_main)
+                               progress=comm.world.is_main, scoring=a.scoring)
         outputs = gather_outputs(comm, mine, start, len(groups))
         comm.on_main(write_beam_jsonl, a.out, outputs)
         return f"wrote {len(outputs)} beams to {a.out}"
