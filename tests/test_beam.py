@@ -125,3 +125,28 @@ def test_resolve_topk_fetches_rows_whose_ties_reach_past_the_margin():
     got = resolve_topk(vals, cols, np.zeros(3), k, full_rows)
     assert (got.cols == row_topk(x, k)).all() and (got.vals == np.take_along_axis(x, got.cols, 1)).all()
     assert fetched == [[1]]
+
+
+def test_nan_logits_are_named_with_either_scoring(backend):
+    """A NaN in a row stops the search with the step and the row, whether numpy or the
+    framework ranks; host scoring leaves the caller's logits alone unless told to overwrite."""
+    import importlib
+
+    gen = importlib.import_module(f"backends.{backend.NAME}.generate")
+    if backend.NAME == "torch":
+        import torch
+
+        tensor = torch.from_numpy
+    else:
+        import jittor as jt
+
+        tensor = jt.array
+    cfg = BeamConfig(beam=2, stop_ids=(0,), no_repeat_ngram_size=0, min_length=2)
+    x = np.random.default_rng(0).normal(size=(4, 30)).astype(np.float32)
+    before = x.copy()
+    BeamSearch(2, cfg).step(x)
+    assert np.array_equal(x, before)  # the stop id was banned on a copy
+    x[3, 7] = np.nan
+    for logits in (x.copy(), gen.DeviceLogits(tensor(x.copy()))):
+        with pytest.raises(FloatingPointError, match=r"step 0: the model returned NaN logits \(rows \[3\]\)"):
+            BeamSearch(2, cfg).step(logits)
