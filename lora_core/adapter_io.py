@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from . import injection
 from . import peft_format as pf
 from .checkpoint import (
     ADAPTER_CONFIG,
@@ -28,7 +29,7 @@ from .checkpoint import (
     write_safetensors_atomic,
 )
 from .injection import Injection
-from .targeting import LoRATargetConfig
+from .targeting import LoRATargetConfig, TargetError
 from .tensor_files import CheckpointError, read_json, read_tensors
 
 AdapterFormat = Literal["lora_core", "peft"]
@@ -132,4 +133,40 @@ def load(
     return {keys[k]: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()}
 
 
-__all__ = ["AdapterFormat", "expected_shapes", "is_injected_adapter", "load", "read_config", "save"]
+def save_model_adapter(model, path: str | os.PathLike, describe, to_numpy, format: AdapterFormat = "lora_core",
+                       base: str | None = None) -> None:
+    """The backends' ``save_lora_adapter``: the trainable set of an injected model (or of a
+    GPT-2 built with LoRA) written in ``format``. ``describe``: the backend's module
+    description (called with ``adapted_ok=True``); ``to_numpy(param)``: a float32 copy."""
+    inj = injection.record_of(model, lambda m: describe(m, adapted_ok=True))
+    params = dict(model.named_parameters())
+    names = set(inj.trainable(params))
+    tensors = {n: to_numpy(p) for n, p in params.items() if n in names}
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    save(path, inj, tensors, shapes, format, getattr(model, "peft_module_prefix", ""), base)
+
+
+def load_model_adapter(model, path: str | os.PathLike, describe, replace, mark_trainable) -> tuple[Injection, dict]:
+    """The backends' ``load_lora_adapter`` up to the copy into the parameters: read the
+    folder's config (ours or peft's), check it against the model's injection or plan one
+    (before the model is changed), read the tensors strictly, then inject if the model had
+    no LoRA (``replace``, then ``mark_trainable(model)``). Returns the injection and the
+    arrays to copy, by parameter name."""
+    cfg, fmt = read_config(path)
+    prefix = getattr(model, "peft_module_prefix", "")
+    inj = injection.injection_of(model)
+    fresh = inj is None
+    if fresh:
+        inj = injection.plan(model, cfg, describe, match_prefix=prefix if fmt == "peft" else "")
+    elif inj.config != cfg:
+        raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
+    shapes = dict({n: tuple(p.shape) for n, p in model.named_parameters()}, **inj.lora_shapes())
+    tensors = load(path, inj, shapes, prefix)
+    if fresh:
+        injection.apply(model, inj, replace)
+        mark_trainable(model)
+    return inj, tensors
+
+
+__all__ = ["AdapterFormat", "expected_shapes", "is_injected_adapter", "load", "load_model_adapter", "read_config",
+           "save", "save_model_adapter"]

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lora_core import adapter_io, injection
-from lora_core.injection import inject, injection_of, require_injection
-from lora_core.targeting import LayerPlan, TargetError
+from lora_core import adapter_io
+from lora_core.injection import inject, require_injection
+from lora_core.targeting import LayerPlan
 
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
 
@@ -113,37 +113,18 @@ def mark_only_lora_trainable(model: nn.Module) -> None:
         p.requires_grad_(n in names)
 
 
-def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
-
-
 def save_lora_adapter(
     model: nn.Module, path: str | os.PathLike, format: str = "lora_core", base: str | None = None
 ) -> None:
     """Save the adapter of an injected model: ``format="lora_core"`` or ``"peft"`` (loadable
     by ``peft.PeftModel.from_pretrained`` on the matching ``transformers`` model)."""
-    inj = injection.record_of(model, lambda m: _describe(m, adapted_ok=True))
-    names = set(inj.trainable(n for n, _ in model.named_parameters()))
-    tensors = {n: p.detach().cpu().float().numpy() for n, p in model.named_parameters() if n in names}
-    adapter_io.save(path, inj, tensors, _param_shapes(model), format, getattr(model, "peft_module_prefix", ""), base)
+    adapter_io.save_model_adapter(model, path, _describe, lambda p: p.detach().cpu().float().numpy(), format, base)
 
 
 def load_lora_adapter(model: nn.Module, path: str | os.PathLike) -> list[str]:
     """Load an adapter folder (ours or peft's) into ``model``, injecting its config first
     if the model has none; strict. Returns the adapted module names."""
-    cfg, fmt = adapter_io.read_config(path)
-    prefix = getattr(model, "peft_module_prefix", "") if fmt == "peft" else ""
-    inj = injection_of(model)
-    fresh = inj is None
-    if fresh:  # checked against the file before the model is changed
-        inj = injection.plan(model, cfg, _describe, match_prefix=prefix)
-    elif inj.config != cfg:
-        raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
-    shapes = dict(_param_shapes(model), **inj.lora_shapes())
-    tensors = adapter_io.load(path, inj, shapes, getattr(model, "peft_module_prefix", ""))
-    if fresh:
-        injection.apply(model, inj, _replace)
-        mark_only_lora_trainable(model)
+    inj, tensors = adapter_io.load_model_adapter(model, path, _describe, _replace, mark_only_lora_trainable)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for n, v in tensors.items():
