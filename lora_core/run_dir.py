@@ -50,6 +50,7 @@ __all__ = [
     "read_checkpoint",
     "remove_temp_files",
     "open_run_dir",
+    "truncate_log",
 ]
 
 LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
