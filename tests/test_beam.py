@@ -103,6 +103,59 @@ def test_device_scoring_gives_the_host_scoring_beams(backend, tiny):
         backend.beam_search(m, ctxs, bc, scoring="gpu")
 
 
+def captured_search(model, ctxs, bc, batch_size):
+    """torch's beam search with the captured decode step, and its ``StaticDecoder`` (shapes met)."""
+    from backends.torch._captured_decode import StaticDecoder
+    from backends.torch.generate import _forward, _reorder, _repeat_rows
+    from lora_core.beam import beam_search_batched
+
+    static = StaticDecoder(model, bc.max_new_tokens)
+    on_device = next(model.parameters()).device.type != "cpu"
+    model.eval()
+    with model.decoding(rows=batch_size * bc.beam):
+        out = beam_search_batched(_forward(model, on_device, static), _repeat_rows(static), _reorder, ctxs, bc,
+                                  batch_size)
+    return out, static
+
+
+def test_captured_decode_step_gives_the_eager_beams(backend, tiny):
+    """torch: the decode step on the preallocated cache (reordered in place, prompt slots padded
+    to 32, the step of fixed shapes that a GPU captures) decodes exactly what the growing cache
+    decodes, with every edit in play, under either scoring and in bf16; batches of one shape
+    share its buffers, and the growing cache's n_positions bound holds. jittor (no capture)
+    refuses "captured", naming what it supports."""
+    cfg, base = tiny
+    m = backend.build_model(cfg, lc.LoRAConfig(r=4, alpha=8), base)
+    rng = np.random.default_rng(3)
+    m.load_partial({n: rng.normal(0, 0.1, v.shape).astype(np.float32) for n, v in m.state_numpy().items()
+                    if "lora_" in n})
+    ctxs = [list(np.random.default_rng(10 + i).integers(1, 999, 3 + 2 * i)) for i in range(7)]
+    bc = BeamConfig(beam=4, max_new_tokens=14, stop_ids=(5, 7, 9), length_penalty=0.8, repetition_penalty=1.3,
+                    min_length=4, no_repeat_ngram_size=2)
+    eager = backend.beam_search(m, ctxs, bc, batch_size=3, decode_step="eager")
+    assert backend.beam_search(m, ctxs, bc, batch_size=3) == eager  # "auto" on the CPU
+    with pytest.raises(ValueError, match="unknown decode_step 'graph'.*auto, eager, captured"):
+        backend.beam_search(m, ctxs, bc, decode_step="graph")
+    if backend.NAME == "jittor":
+        with pytest.raises(ValueError, match="'captured' is not supported by the jittor backend"):
+            backend.beam_search(m, ctxs, bc, decode_step="captured")
+        return
+    for scoring in ("host", "device"):
+        assert backend.beam_search(m, ctxs, bc, batch_size=3, scoring=scoring, decode_step="captured") == eager
+    out, static = captured_search(m, ctxs, bc, 3)  # prompts of 7, 13 and 15 positions: 32 slots each
+    assert out == eager and sorted(static.caches) == [(4, 32), (12, 32)]
+    backend.set_precision(m, "bf16")
+    try:
+        assert backend.beam_search(m, ctxs, bc, batch_size=3, decode_step="captured") == \
+            backend.beam_search(m, ctxs, bc, batch_size=3, decode_step="eager")
+    finally:
+        backend.set_precision(m, "fp32")
+    long = [list(range(1, cfg.n_positions - 5)), [3, 4]]
+    for step in ("eager", "captured"):
+        with pytest.raises(ValueError, match=f"sequence of {cfg.n_positions + 1} tokens exceeds n_positions"):
+            backend.beam_search(m, long, BeamConfig(beam=2, max_new_tokens=10, stop_ids=()), decode_step=step)
+
+
 def test_resolve_topk_fetches_rows_whose_ties_reach_past_the_margin():
     """A device's top-m in arbitrary tie order becomes the exact (value, then id) ranking; a
     row whose m-th value still ties the k-th is ranked whole on the host."""

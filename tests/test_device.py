@@ -208,8 +208,9 @@ def test_cuda_training_matches_cpu_and_checkpoints_cross(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_cuda(), reason="no CUDA GPU")
 def test_cuda_beam_scores_on_the_device_and_decodes_what_the_cpu_decodes():
-    """On a GPU, beam search ranks each step on the device (scoring "auto") and gives the CPU's
-    host-scored beams."""
+    """On a GPU, beam search ranks each step on the device (scoring "auto") and replays a decode
+    step captured once per shape (decode_step "auto"), and gives the CPU's host-scored eager
+    beams; so does the eager step on the GPU."""
     from lora_core.beam import BeamConfig
 
     bt = lc.get_backend("torch")
@@ -221,3 +222,8 @@ def test_cuda_beam_scores_on_the_device_and_decodes_what_the_cpu_decodes():
     cpu = bt.beam_search(model, ctxs, bc, batch_size=3)
     bt.to_device(model, "cuda")
     assert bt.beam_search(model, ctxs, bc, batch_size=3) == cpu
+    assert bt.beam_search(model, ctxs, bc, batch_size=3, decode_step="eager") == cpu
+    from test_beam import captured_search
+
+    out, static = captured_search(model, ctxs, bc, 4)  # batches of 4 and 2 inputs: two shapes
+    assert out == cpu and static.captures == len(static.caches) == 2

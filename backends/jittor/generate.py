@@ -7,6 +7,7 @@ import jittor as jt
 
 from lora_core.beam import BeamConfig, beam_search_batched
 from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
+from lora_core.static_cache import decode_step_captured
 
 from .model import KVCache
 
@@ -56,10 +57,13 @@ def _reorder(cache, rows):
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
-                progress: bool = False, scoring: str = "auto") -> list:
+                progress: bool = False, scoring: str = "auto", decode_step: str = "auto") -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time;
-    ``scoring`` as in ``backends.torch.generate.beam_search``."""
+    ``scoring`` as in ``backends.torch.generate.beam_search``. ``decode_step``: "auto" or
+    "eager" (jittor has no graph capture: "captured" raises ``ValueError``; its JIT already
+    fuses and compiles each step's ops, cached per shape)."""
     on_device = scoring_on_device(scoring, bool(jt.flags.use_cuda))
+    decode_step_captured(decode_step, bool(jt.flags.use_cuda), "jittor", False)  # validates the choice
     model.eval()
     with model.decoding(rows=batch_size * cfg.beam):
         return beam_search_batched(_forward(model, on_device), _repeat_rows, _reorder, contexts, cfg, batch_size,

@@ -2,7 +2,8 @@
 ``lora_core.beam.run_beam_search`` (all bookkeeping lives there).
 
 Contract (same in every backend): ``beam_search(model, contexts, cfg, batch_size=8,
-progress=False, scoring="auto") -> list[list[int]]`` (generated tokens per context).
+progress=False, scoring="auto", decode_step="auto") -> list[list[int]]`` (generated tokens
+per context).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 
 from lora_core.beam import BeamConfig, beam_search_batched
 from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
+from lora_core.static_cache import decode_step_captured
 
+from ._captured_decode import StaticDecoder, StaticKVCache
 from .model import KVCache
 from .precision import autocast
 
@@ -43,18 +46,25 @@ class DeviceLogits:
                             lambda rows: x[torch.from_numpy(rows).to(dev)].cpu().numpy())
 
 
-def _forward(model, on_device: bool):
+def _forward(model, on_device: bool, static: StaticDecoder | None):
     @torch.no_grad()
     def forward(ids, past, mask):
-        with autocast(model):
-            h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
-            logits = model.lm_logits(h[:, -1]).float()
+        if isinstance(past, StaticKVCache):
+            logits = static.step(past, ids[:, -1])
+        else:
+            with autocast(model):
+                h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
+                logits = model.lm_logits(h[:, -1]).float()
+            if static is not None:  # the prompt: its cache goes to the preallocated buffers
+                past = (past, mask)
         return (DeviceLogits(logits) if on_device else logits.cpu().numpy()), past
     return forward
 
 
-def _repeat_rows(past, n):
-    return KVCache(past, n)
+def _repeat_rows(static: StaticDecoder | None):
+    if static is None:
+        return lambda past, n: KVCache(past, n)
+    return lambda past, n: static.start(past[0], past[1], n)
 
 
 def _reorder(cache, rows):
@@ -63,17 +73,24 @@ def _reorder(cache, rows):
 
 
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
-                progress: bool = False, scoring: str = "auto") -> list:
+                progress: bool = False, scoring: str = "auto", decode_step: str = "auto") -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time.
     ``scoring``: where each step's logits are reduced (``lora_core.beam_scoring``): "host"
     (numpy), "device" (the model's device, only candidates to the host) or "auto" (device
-    on a GPU, host on the CPU, where numpy's ranking is the faster)."""
-    on_device = scoring_on_device(scoring, next(model.parameters()).device.type != "cpu")
+    on a GPU, host on the CPU, where numpy's ranking is the faster).
+    ``decode_step``: "eager" (a growing cache, the step run op by op), "captured" (a
+    preallocated cache reordered in place, the step recorded once per shape as a CUDA graph
+    on a GPU; op by op on a CPU) or "auto" (captured on a GPU, eager on the CPU, where it is
+    the faster); both decode the same beams."""
+    on_gpu = next(model.parameters()).device.type != "cpu"
+    on_device = scoring_on_device(scoring, on_gpu)
+    static = StaticDecoder(model, cfg.max_new_tokens) if decode_step_captured(decode_step, on_gpu, "torch", True) \
+        else None
     model.eval()
     exact = getattr(model, "precision", "fp32") == "fp32"  # the packed decoding weights are float32-only
     with model.decoding(rows=batch_size * cfg.beam) if exact else contextlib.nullcontext():
-        return beam_search_batched(_forward(model, on_device), _repeat_rows, _reorder, contexts, cfg, batch_size,
-                                   progress)
+        return beam_search_batched(_forward(model, on_device, static), _repeat_rows(static), _reorder, contexts, cfg,
+                                   batch_size, progress)
 
 
 __all__ = ["BeamConfig", "DeviceLogits", "beam_search"]

@@ -26,6 +26,7 @@ from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
+from ._captured_decode import StaticKVCache
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
@@ -121,7 +122,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split(E, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         p = self.attn_pdrop if self.training else 0.0
-        if isinstance(past, tuple) and isinstance(past[0], KVCache):
+        if isinstance(past, tuple) and isinstance(past[0], (KVCache, StaticKVCache)):
             y = past[0].attend(past[1], q, k, v, bias)
             return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, E))), None
         if past is not None:

@@ -26,14 +26,16 @@ from lora_core.device import DEVICE_CHOICES
 from lora_core.distributed import batch_shard, gather_outputs, run_job
 from lora_core.precision import PRECISIONS
 from lora_core.recipes import RECIPES, apply_overrides, get_recipe
+from lora_core.static_cache import DECODE_STEPS
 from lora_core.tokenizer import load_tokenizer
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
-                    progress: bool = True, scoring: str = "auto") -> list[list[int]]:
+                    progress: bool = True, scoring: str = "auto", decode_step: str = "auto") -> list[list[int]]:
     """Prompt layout of the paper (``bpe(context) + [eos]``), then batched beam search."""
     prompts = [tok.encode(c) + [tok.eos_id] for c in contexts]
-    return backend.beam_search(model, prompts, beam_cfg, batch_size=batch_size, progress=progress, scoring=scoring)
+    return backend.beam_search(model, prompts, beam_cfg, batch_size=batch_size, progress=progress, scoring=scoring,
+                               decode_step=decode_step)
 
 
 def write_beam_jsonl(path, outputs: list[list[int]]) -> None:
@@ -57,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scoring", choices=SCORING, default="auto",
                    help="where each step's logits are ranked: on the model's device (only candidates reach the "
                         "host) or on the host with numpy; auto: device on a GPU, host on the CPU")  # fmt: skip
+    p.add_argument("--decode-step", choices=DECODE_STEPS, default="auto",
+                   help="captured: a preallocated cache reordered in place, the step recorded once per shape as a "
+                        "CUDA graph (torch; op by op on a CPU); eager: a growing cache; auto: captured on a GPU, "
+                        "eager on the CPU (the same beams either way)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
     a = p.parse_args(argv)
     def body(job) -> str:
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
         start, stop = batch_shard(len(groups), a.batch_size, comm.world)
         mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,
-                               progress=comm.world.is_main, scoring=a.scoring)
+                               progress=comm.world.is_main, scoring=a.scoring, decode_step=a.decode_step)
         outputs = gather_outputs(comm, mine, start, len(groups))
         comm.on_main(write_beam_jsonl, a.out, outputs)
         return f"wrote {len(outputs)} beams to {a.out}"

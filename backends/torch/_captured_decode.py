@@ -1,0 +1,181 @@
+"""Beam search's decode step on a preallocated cache, captured once per shape (CUDA graphs).
+
+Used by ``backends.torch.generate.beam_search(..., decode_step="captured")`` (the default on
+a GPU). The layout is ``lora_core.static_cache``'s: the prompt's keys and values once per
+input, padded to a multiple of 32 positions, and the generated positions per beam in
+buffers of ``max_new_tokens`` slots, reordered in place and written at the step's slot.
+Every tensor a step reads or writes then keeps its shape and address for the whole batch,
+and for every batch of the same shape. On CUDA, :class:`StaticDecoder` records the step
+(embedding, every layer, the head) once per shape as a ``torch.cuda.CUDAGraph`` and replays
+it: one launch per step instead of some 15 per layer. On a CPU, where there is nothing to
+capture, the same step runs op by op (the tests run it there against the growing cache).
+For inference: no gradient flows through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from lora_core.beam import compose_rows
+from lora_core.masks import MASK_VALUE
+from lora_core.static_cache import check_room, prompt_capacity, prompt_layout
+
+from .precision import DTYPES
+
+
+class StaticKVCache:
+    """The buffers of one shape (``B`` inputs x ``repeats`` beams, ``capacity`` prompt slots,
+    ``slots`` generated slots) and the step's fixed inputs; ``load`` fills them for a batch."""
+
+    def __init__(self, model, B: int, repeats: int, capacity: int, slots: int):
+        cfg, p = model.config, next(model.parameters())
+        nh, hs, R = cfg.n_head, cfg.n_embd // cfg.n_head, B * repeats
+        zeros = lambda *shape: torch.zeros(shape, dtype=p.dtype, device=p.device)  # noqa: E731
+        self.repeats, self.capacity, self.slots = repeats, capacity, slots
+        self.prompt = [(zeros(B, nh, capacity, hs), zeros(B, nh, capacity, hs)) for _ in range(cfg.n_layer)]
+        self.generated = [(zeros(R, nh, slots, hs), zeros(R, nh, slots, hs)) for _ in range(cfg.n_layer)]
+        self.prompt_bias = zeros(R, 1, 1, capacity)
+        self.slot_index = torch.arange(slots, device=p.device)
+        self.first = torch.zeros((R, 1), dtype=torch.int64, device=p.device)  # position of generated slot 0
+        self.tokens = torch.zeros((R, 1), dtype=torch.int64, device=p.device)
+        self.rows = torch.arange(R, device=p.device)  # reorder applied at the start of the step
+        self.step_index = torch.zeros(1, dtype=torch.int64, device=p.device)
+        self.P, self.s, self.pending = 0, 0, None
+
+    def load(self, past, mask: np.ndarray) -> None:
+        """A new batch: its prompt cache ``past`` (per layer (k, v), (B, nh, P, hs)) and mask (B, P)."""
+        P = past[0][0].shape[2]
+        with torch.no_grad():
+            for (kp, vp), (k, v) in zip(self.prompt, past):
+                kp.zero_()
+                vp.zero_()
+                kp[:, :, :P] = k
+                vp[:, :, :P] = v
+            for kg, vg in self.generated:  # stale values are masked, but must stay finite
+                kg.zero_()
+                vg.zero_()
+            bias, first = prompt_layout(mask, self.repeats, self.capacity)
+            self.prompt_bias.copy_(torch.from_numpy(bias))
+            self.first.copy_(torch.from_numpy(first))
+        self.P, self.s, self.pending = P, 0, None
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Row ``j`` continues old row ``rows[j]`` (applied in place by the next step)."""
+        self.pending = compose_rows(self.pending, rows, self.repeats)
+
+    def set_inputs(self, tokens: np.ndarray, n_positions: int) -> None:
+        check_room(self.P, self.s, n_positions)
+        if self.s >= self.slots:
+            raise ValueError(f"beam search: step {self.s} past the cache's {self.slots} generated slots")
+        rows = np.arange(len(tokens)) if self.pending is None else self.pending
+        self.tokens.copy_(torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1, 1)))
+        self.rows.copy_(torch.from_numpy(rows))
+        self.step_index.fill_(self.s)
+
+    def advance(self) -> None:
+        self.s, self.pending = self.s + 1, None
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
+        """Layer ``i`` inside the step: reorder the generated rows in place, write the new key
+        and value at the step's slot, attend over the prompt (once per input) and the slots
+        written so far (``bias`` is unused: the masks are the cache's)."""
+        kg, vg = self.generated[i]
+        for buf, new in ((kg, k), (vg, v)):
+            buf.copy_(buf.index_select(0, self.rows))
+            buf.index_copy_(2, self.step_index, new.to(buf.dtype))
+        kp, vp = self.prompt[i]
+        R, nh, T, hs = q.shape
+        B, beam = kp.shape[0], self.repeats
+
+        def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
+            return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
+
+        def by_row(x):  # inverse of by_input
+            return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
+
+        gen_bias = torch.where(self.slot_index <= self.step_index, 0.0, MASK_VALUE).to(self.prompt_bias.dtype)
+        scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
+        bias = torch.cat([self.prompt_bias, gen_bias.expand(R, 1, 1, self.slots)], dim=-1)
+        att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
+        C = self.capacity
+        return by_row(by_input(att[..., :C]) @ vp) + att[..., C:] @ vg
+
+
+class StaticDecoder:
+    """The decode steps of one ``beam_search`` call: a :class:`StaticKVCache` per shape, and on
+    CUDA the step captured once per shape; ``captures`` counts the captures, ``caches`` the
+    shapes met."""
+
+    def __init__(self, model, max_new_tokens: int):
+        self.model, self.slots = model, max_new_tokens
+        self.caches: dict[tuple[int, int], StaticKVCache] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0
+        self.on_cuda = next(model.parameters()).device.type == "cuda"
+
+    def start(self, past, mask: np.ndarray, repeats: int) -> StaticKVCache:
+        """The cache for a batch's prompt (``past``: per layer (k, v) of the B prompts; ``mask``
+        (B, P)), its buffers repeated beam-wise: the shape's buffers, reused when met before."""
+        B, P = mask.shape
+        key = (B * repeats, prompt_capacity(P))
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = StaticKVCache(self.model, B, repeats, key[1], self.slots)
+        cache.load(past, mask)
+        return cache
+
+    def step(self, cache: StaticKVCache, tokens: np.ndarray) -> torch.Tensor:
+        """Next-token logits (R, V), float32, after the rows' new ``tokens`` (R,). On CUDA the
+        tensor is the captured graph's output, overwritten by the next step of that shape."""
+        cache.set_inputs(tokens, self.model.config.n_positions)
+        if not self.on_cuda:
+            out = self._run(cache)
+        else:
+            key = (cache.rows.shape[0], cache.capacity)
+            if key not in self.graphs:  # (the recording executes nothing: the replay is the step)
+                self.graphs[key] = self._capture(cache)
+            graph, out = self.graphs[key]
+            graph.replay()
+        cache.advance()
+        return out
+
+    def _autocast(self):
+        precision = getattr(self.model, "precision", "fp32")
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dev = next(self.model.parameters()).device.type  # no weight-cast cache: a graph replays its casts
+        return torch.autocast(dev, dtype=DTYPES[precision], cache_enabled=False)
+
+    @torch.no_grad()
+    def _run(self, cache: StaticKVCache) -> torch.Tensor:
+        m = cache.step_index
+        model = self.model
+        with self._autocast():
+            x = model.wte(cache.tokens) + model.wpe(cache.first + m)
+            for i, block in enumerate(model.h):
+                x, _ = block(x, (cache, i), None)
+            return model.lm_logits(model.ln_f(x)[:, -1]).float()
+
+    def _capture(self, cache: StaticKVCache) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Record the step for ``cache``'s shape. The warm-up runs (on a side stream, as
+        CUDA graphs need) and the recording would move the cache, so they run on a copy of
+        its state, restored afterwards."""
+        saved = [(k.clone(), v.clone()) for k, v in cache.generated]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run(cache)
+        with torch.no_grad():
+            for (k, v), (k0, v0) in zip(cache.generated, saved):
+                k.copy_(k0)
+                v.copy_(v0)
+        self.captures += 1
+        return graph, out
