@@ -96,7 +96,7 @@ class StaticKVCache:
         def by_row(x):  # inverse of by_input
             return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
 
-        gen_bias = torch.where(self.slot_index <= self.step_index, 0.0, MASK_VALUE).to(self.prompt_bias.dtype)
+        gen_bias = (self.slot_index > self.step_index).to(self.prompt_bias.dtype) * MASK_VALUE  # 0 on written slots
         scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
         bias = torch.cat([self.prompt_bias, gen_bias.expand(R, 1, 1, self.slots)], dim=-1)
         att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
