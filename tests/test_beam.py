@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from helpers import MEASURED, rel_diff
@@ -185,6 +187,36 @@ def test_captured_step_logits_match_a_full_forward(tiny):
             worst = max(worst, rel_diff(out, ref))
     MEASURED["captured decode step (preallocated cache, 5 reordered steps) vs full forward, logits"] = worst
     assert worst <= 1e-5
+
+
+def test_captured_step_traces_as_one_graph(tiny):
+    """What CUDA graph capture needs, checked where there is no GPU: the step reads nothing
+    back to the host and takes no data-dependent branch, so ``torch.compile(fullgraph=True)``
+    traces it whole, with LoRA layers and with the packed decoding weights; the traced step
+    computes the eager step's logits (with no reorder pending, repeating a step changes nothing)."""
+    import torch
+
+    from backends.torch._captured_decode import StaticDecoder
+    from lora_core.beam import left_pad
+
+    cfg, base = tiny
+    bt = lc.get_backend("torch")
+    m = bt.build_model(cfg, lc.LoRAConfig(r=4, alpha=8), base).eval()
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]])
+    static, graphs = StaticDecoder(m, 4), []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    traced = torch.compile(static._run, backend=count, fullgraph=True)
+    with torch.no_grad():
+        cache = static.start(m(ids, attention_mask=mask)[1], mask, 2)
+        cache.set_inputs(np.array([1, 2, 3, 4]), cfg.n_positions)
+        for packed in (False, True):
+            with m.decoding(rows=4) if packed else contextlib.nullcontext():
+                assert torch.equal(traced(cache), static._run(cache))
+    assert len(graphs) == 2  # one per weight layout, each whole
 
 
 def test_resolve_topk_fetches_rows_whose_ties_reach_past_the_margin():
