@@ -10,12 +10,13 @@ from examples.nlg import bench
 
 
 def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
+    """Every system on the tiny and demo shapes; ours-torch decodes with the captured step."""
     data = shared_dir / "data"
     if not (data / "e2e" / "train.txt").is_file():
         pytest.skip(f"shared E2E data missing: {data} (set LORA_SHARED)")
     out = tmp_path / "bench.json"
     rc = bench.main(["--data-dir", str(data), "--shapes", "tiny,demo", "--steps", "2", "--warmup", "1", "--repeats", "1",
-                     "--beam-examples", "2", "--threads", "1", "--json", str(out)])  # fmt: skip
+                     "--beam-examples", "2", "--threads", "1", "--decode-step", "captured", "--json", str(out)])  # fmt: skip
     table = capsys.readouterr().out
     assert rc == 0, table
     rows = {line.split()[0] for line in table.splitlines() if line.strip()}

@@ -54,6 +54,7 @@ import numpy as np
 
 from lora_core.device import DEVICE_CHOICES, parse_device
 from lora_core.precision import PRECISIONS
+from lora_core.static_cache import DECODE_STEPS
 
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
@@ -116,7 +117,7 @@ def run_train(spec: dict) -> dict:
 def run_beam(spec: dict) -> dict:
     contexts = beam_contexts(Path(spec["data_dir"]), spec["beam_examples"], spec["shape"])
     system = make_system(spec["system"], shape_config(spec["shape"]), False, stop_ids(spec["shape"]),
-                         spec["device"], spec["precision"])
+                         spec["device"], spec["precision"], spec["decode_step"])
     bs = spec["beam_batch"]
     t0 = time.perf_counter()
     system.beam(contexts[:bs], bs, 4, 4)  # warm-up (kernels, caches), excluded
@@ -175,7 +176,8 @@ def run_all(args) -> dict:
                     spec = {"task": task, "system": system, "shape": shape, "data_dir": str(args.data_dir),
                             "steps": args.steps, "warmup": args.warmup, "beam_examples": args.beam_examples,
                             "beam_batch": args.beam_batch[system], "beam_min_new": args.beam_min_new,
-                            "threads": args.threads, "device": args.device, "precision": args.precision}  # fmt: skip
+                            "threads": args.threads, "device": args.device, "precision": args.precision,
+                            "decode_step": args.decode_step}  # fmt: skip
                     log(f"{shape} repeat {rep + 1}/{args.repeats} {system} {task}")
                     out = spawn(spec)
                     result.update({f"{task}_{k}" if k in ("error", "wall_s", "loadavg_end") else k: v
@@ -287,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads for every system (torch and OpenMP; default 1, as the issue's reference figures)")  # fmt: skip
     p.add_argument("--device", default="cpu", help=f"{DEVICE_CHOICES} for every system (default cpu)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="every system's precision")
+    p.add_argument("--decode-step", choices=DECODE_STEPS, default="auto",
+                   help="ours-torch's beam decode step (auto: captured on a GPU, eager on the CPU; "
+                        "ours-jittor always runs its own)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = p.parse_args(argv)
     try:

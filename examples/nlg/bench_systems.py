@@ -98,12 +98,13 @@ class Ours:
     """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
 
     def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", decode_step: str = "auto"):
         import lora_core
         from lora_core.optim import AdamWConfig
         from lora_core.precision import LossScaleConfig
 
         self.be, self.stops = lora_core.get_backend(name), stops
+        self.decode_step = decode_step if name == "torch" else "auto"  # jittor has no captured step
         base = lora_core.init_gpt2_weights(cfg, SEED)
         self.model = self.be.build_model(cfg, lora_core.LoRAConfig(r=4, alpha=32), base, trainable=trainable)
         del base
@@ -130,7 +131,7 @@ class Ours:
 
         cfg = BeamConfig(**BEAM, max_new_tokens=max_new_tokens, min_length=min(min_new_tokens, max_new_tokens),
                          repetition_penalty=1.0, stop_ids=self.stops)  # fmt: skip
-        return self.be.beam_search(self.model, contexts, cfg, batch_size=batch_size)
+        return self.be.beam_search(self.model, contexts, cfg, batch_size=batch_size, decode_step=self.decode_step)
 
 
 class HFPeft:
@@ -231,8 +232,9 @@ class HFPeft:
 
 
 def make_system(name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
-                precision: str = "fp32"):
-    """A system by name; ``hf-peft-bf16`` is ``hf-peft`` in bf16 whatever ``precision`` says."""
+                precision: str = "fp32", decode_step: str = "auto"):
+    """A system by name; ``hf-peft-bf16`` is ``hf-peft`` in bf16 whatever ``precision`` says;
+    ``decode_step``: our beam search's (``beam_search(..., decode_step=...)``; HF has its own)."""
     if name.startswith("hf-peft"):
         return HFPeft(cfg, trainable, stops, device, "bf16" if name == "hf-peft-bf16" else precision)
-    return Ours(name.removeprefix("ours-"), cfg, trainable, stops, device, precision)
+    return Ours(name.removeprefix("ours-"), cfg, trainable, stops, device, precision, decode_step)
