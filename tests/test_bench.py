@@ -33,6 +33,76 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
         assert len(result["summary"][shape]["targets"]) == len(bench.TARGETS)
 
 
+def test_bench_batch_and_compiled_step(shared_dir, tmp_path, capsys):
+    """``--batch`` sets the training batch and ``--compile`` runs ours-torch's step through
+    ``torch.compile`` (compiled over the timed batches before timing); an unknown backend is
+    refused, naming the choices."""
+    data = shared_dir / "data"
+    if not (data / "e2e" / "train.txt").is_file():
+        pytest.skip(f"shared E2E data missing: {data} (set LORA_SHARED)")
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--systems", "ours-torch", "--steps", "2",
+                     "--warmup", "1", "--repeats", "1", "--beam-examples", "1", "--batch", "4",
+                     "--compile", "eager", "--json", str(out)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    assert "batch 4," in table and "ours-torch compile eager" in table, table
+    (run,) = json.loads(out.read_text())["raw"]["tiny"]["ours-torch"]
+    assert run["compiled_graphs"] >= 1 and run["compile_s"] > 0, run
+    assert len(run["step_s"]) == len(run["seq_len"]) == 3, run
+    assert abs(run["train_ex_s"] - 4 * 2 / sum(run["step_s"][1:])) < 1e-9 * run["train_ex_s"], run  # 4 per batch
+    with pytest.raises(SystemExit):
+        bench.main(["--data-dir", str(data), "--compile", "turbo"])
+    assert "unknown dynamo backend 'turbo'" in capsys.readouterr().err
+
+
+def test_bench_gpu_table_and_targets():
+    """On a GPU the table adds peak GPU memory and the GPU's name, and checks issue 8's targets:
+    training >= 2x HF+PEFT at batch 8 (1.5x above) on gpt2-medium, beam <= 0.5x, GPU memory <= 1x."""
+    import argparse
+
+    def run(ex_s, tok_s, gpu_mb, beam_s):
+        return {"train_ex_s": ex_s, "train_tok_s": tok_s, "train_rss_mb": 900.0, "train_phase_rss_mb": 800.0,
+                "beam_s_ex": beam_s, "gen_len": 64.0, "beam_rss_mb": 950.0, "train_gpu_mb": gpu_mb,
+                "beam_gpu_mb": gpu_mb / 2, "loadavg_start": 0.5, "gpu_name": "NVIDIA H200", "torch": "2.11.0",
+                "torch_cuda": "13.0"}  # fmt: skip
+
+    raw = {"gpt2-medium": {"ours-torch": [run(300.0, 15000.0, 2000.0, 0.06)],
+                           "hf-peft": [run(175.0, 8000.0, 3800.0, 0.146)]}}  # fmt: skip
+    for batch, bound, result in ((8, 2.0, "FAIL"), (32, 1.5, "PASS")):
+        args = argparse.Namespace(device="cuda", batch=batch, steps=10, warmup=2, repeats=1, threads=1,
+                                  beam_examples=16, precision="fp32", compile="inductor", driver="580.1",
+                                  beam_batch={"ours-torch": 8, "hf-peft": 8})  # fmt: skip
+        table, summary = bench.summarise(raw, args)
+        assert "train GPU MB" in table and "GPU NVIDIA H200, driver 580.1, torch 2.11.0 (CUDA 13.0)" in table, table
+        got = {t["target"].split()[0] + " " + t["target"].split()[1]: t for t in summary["gpt2-medium"]["targets"]}
+        assert got["train tok/s"]["bound"] == bound and got["train tok/s"]["result"] == result, got
+        assert abs(got["train tok/s"]["ratio"] - 15000 / 8000) < 1e-12
+        assert got["peak GPU"]["result"] == "PASS" and abs(got["peak GPU"]["ratio"] - 2000 / 3800) < 1e-12
+        assert got["beam s/ex"]["result"] == "PASS"
+    args.device = "cpu"
+    table, summary = bench.summarise(raw, args)
+    assert "GPU MB" not in table and all("GPU" not in t["target"] for t in summary["gpt2-medium"]["targets"])
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_the_gpu(shared_dir, tmp_path, capsys):
+    """``--device cuda``: every system trains and decodes on the GPU, with its peak GPU memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    data = shared_dir / "data"
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--systems", "ours-torch,hf-peft,hf-peft-bf16",
+                     "--steps", "2", "--warmup", "1", "--repeats", "1", "--beam-examples", "2", "--device", "cuda",
+                     "--json", str(out)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert rc == 0 and "train GPU MB" in table, table
+    for system, (run,) in json.loads(out.read_text())["raw"]["tiny"].items():
+        assert run["train_gpu_mb"] > 0 and run["beam_gpu_mb"] > 0 and run["gpu_name"], (system, run)
+
+
 def _sst2_and_tiny_base(shared_dir, tmp_path, seed: int):
     """The shared data folder (skip without SST-2) and a tiny head-less HF DistilBERT masked-LM
     folder in ``tmp_path/base`` drawn with ``seed``."""

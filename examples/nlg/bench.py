@@ -23,6 +23,13 @@ All train with the E2E recipe's label smoothing 0.1 and weight decay 0.01, no dr
 ``--device`` (default ``cpu``) and ``--precision`` (default ``fp32``; bf16/fp16 autocast, fp16
 with dynamic loss scaling; the jittor backend refuses 16-bit, see ``backends/jittor/precision.py``)
 apply to every system; on a GPU the workers also report the framework's peak GPU memory.
+On a GPU (``--device cuda``) the table adds each system's peak GPU memory
+(``torch.cuda.max_memory_allocated``), names the GPU, driver and CUDA version, and checks
+issue 8's targets instead of the CPU's: on ``gpt2-medium``, training tokens/s ours-torch /
+hf-peft >= 2.0 at ``--batch`` 8 (>= 1.5 at larger batches) and beam s/example <= 0.5; peak
+GPU memory ours-torch / hf-peft <= 1.0. ``--compile BACKEND`` runs ours-torch's training step
+through ``torch.compile`` (``inductor``; ``cudagraphs`` also records CUDA graphs), compiled over
+the timed batches once before timing. ``--decode-step`` chooses ours-torch's beam decode step.
 Tokens/s counts the same real tokens for every system (``collate``'s ``n_tokens``), so its
 ratios are those of examples/s. ``tiny`` is the ``tiny`` preset with GPT-2's vocabulary and
 1024 positions (E2E ids need them). ``demo`` is the embedded demo's model (``demo`` preset: 3
@@ -69,6 +76,21 @@ TARGETS = [
     ("beam s/ex    ours-torch / hf-peft", "beam_s_ex", "ours-torch", "hf-peft", "le", 0.5, ("gpt2", "tiny")),
     ("beam s/ex    ours-jittor / ours-torch", "beam_s_ex", "ours-jittor", "ours-torch", "le", 1.1, None),
 ]
+# on a GPU (issue 8: GPT-2 Medium, the same precision for both); "train": 2.0 at batch <= 8, 1.5 above
+GPU_TARGETS = [
+    ("train tok/s  ours-torch / hf-peft", "train_tok_s", "ours-torch", "hf-peft", "ge", "train", ("gpt2-medium",)),
+    ("peak GPU MB  ours-torch / hf-peft", "train_gpu_mb", "ours-torch", "hf-peft", "le", 1.0, None),
+    ("beam s/ex    ours-torch / hf-peft", "beam_s_ex", "ours-torch", "hf-peft", "le", 0.5, ("gpt2-medium",)),
+    ("train tok/s  ours-jittor / ours-torch", "train_tok_s", "ours-jittor", "ours-torch", "ge", 0.9, None),
+    ("beam s/ex    ours-jittor / ours-torch", "beam_s_ex", "ours-jittor", "ours-torch", "le", 1.1, None),
+]
+
+
+def targets(device: str, batch: int) -> list[tuple]:
+    """The CPU targets, or on a GPU the GPU ones with the training bound of ``batch``."""
+    if device == "cpu":
+        return TARGETS
+    return [t[:5] + ((2.0 if batch <= 8 else 1.5) if t[5] == "train" else t[5], t[6]) for t in GPU_TARGETS]
 
 
 def log(msg: str) -> None:
@@ -91,13 +113,20 @@ def _max_rss_mb(reset: bool = False) -> float:
 
 
 def run_train(spec: dict) -> dict:
-    data_dir, steps, warmup = Path(spec["data_dir"]), spec["steps"], spec["warmup"]
-    pairs = train_examples(data_dir, BATCH * (warmup + steps), spec["shape"])
+    data_dir, steps, warmup, bs = Path(spec["data_dir"]), spec["steps"], spec["warmup"], spec["batch"]
+    pairs = train_examples(data_dir, bs * (warmup + steps), spec["shape"])
     system = make_system(spec["system"], shape_config(spec["shape"]), True, stop_ids(spec["shape"]),
-                         spec["device"], spec["precision"])
-    batches = [pairs[i : i + BATCH] for i in range(0, len(pairs), BATCH)]
+                         spec["device"], spec["precision"], compile=spec["compile"])
+    batches = [pairs[i : i + bs] for i in range(0, len(pairs), bs)]
     prepared = [system.prepare(b) for b in batches]
     gc.collect()
+    compile_s = 0.0
+    if system.compiled_graphs() is not None:  # compile every length bucket of the timed batches first
+        t0 = time.perf_counter()
+        for batch in prepared[warmup:]:
+            system.train_step(batch)
+        compile_s = time.perf_counter() - t0
+        log(f"{spec['shape']} {spec['system']} compiled {system.compiled_graphs()} graph(s) in {compile_s:.1f} s")
     times, losses, before = [], [], 0.0
     for i, batch in enumerate(prepared):
         if i == warmup:
@@ -108,10 +137,33 @@ def run_train(spec: dict) -> dict:
         log(f"{spec['shape']} {spec['system']} train step {i + 1}/{len(prepared)}: {times[-1]:.3f} s")
     timed = sum(times[warmup:])
     n_tokens = sum(sum(len(c) + len(t) - 1 for c, t in b) for b in batches[warmup:])
-    return {"train_ex_s": BATCH * steps / timed, "train_tok_s": n_tokens / timed, "step_s": times,
+    return {"train_ex_s": bs * steps / timed, "train_tok_s": n_tokens / timed, "step_s": times,
             "seq_len": [max(len(c) + len(t) - 1 for c, t in b) for b in batches], "loss": losses,
             "train_rss_mb": max(before, _max_rss_mb()), "train_phase_rss_mb": _max_rss_mb(),
-            "build_warmup_rss_mb": before, "train_gpu_mb": system.peak_gpu_mb()}  # fmt: skip
+            "build_warmup_rss_mb": before, "train_gpu_mb": system.peak_gpu_mb(),
+            "compiled_graphs": system.compiled_graphs(), "compile_s": compile_s, **_gpu_info(spec["device"])}  # fmt: skip
+
+
+def _gpu_info(device: str) -> dict:
+    """The GPU's name and the CUDA version torch was built with (empty on the CPU)."""
+    if device == "cpu":
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"gpu_name": torch.cuda.get_device_name(torch.device(device)), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda}
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``), or None without one."""
+    cmd = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
 
 
 def run_beam(spec: dict) -> dict:
@@ -177,7 +229,7 @@ def run_all(args) -> dict:
                             "steps": args.steps, "warmup": args.warmup, "beam_examples": args.beam_examples,
                             "beam_batch": args.beam_batch[system], "beam_min_new": args.beam_min_new,
                             "threads": args.threads, "device": args.device, "precision": args.precision,
-                            "decode_step": args.decode_step}  # fmt: skip
+                            "decode_step": args.decode_step, "batch": args.batch, "compile": args.compile}  # fmt: skip
                     log(f"{shape} repeat {rep + 1}/{args.repeats} {system} {task}")
                     out = spawn(spec)
                     result.update({f"{task}_{k}" if k in ("error", "wall_s", "loadavg_end") else k: v
@@ -197,7 +249,8 @@ def code_version() -> str:
 
 
 def medians(runs: list[dict]) -> dict:
-    keys = ("train_ex_s", "train_tok_s", "train_rss_mb", "train_phase_rss_mb", "beam_s_ex", "gen_len", "beam_rss_mb")
+    keys = ("train_ex_s", "train_tok_s", "train_rss_mb", "train_phase_rss_mb", "beam_s_ex", "gen_len", "beam_rss_mb",
+            "train_gpu_mb", "beam_gpu_mb")  # fmt: skip
     return {k: statistics.median(r[k] for r in runs if k in r) if any(k in r for r in runs) else None for k in keys}
 
 
@@ -208,27 +261,36 @@ def _fmt(x, spec=".2f") -> str:
 def summarise(raw: dict, args) -> tuple[str, dict]:
     """The table (medians over repeats, target ratios) and its numbers."""
     lines, summary = [], {}
+    gpu = args.device != "cpu"
     for shape, by_system in raw.items():
         cfg = shape_config(shape)
         med = {s: medians(runs) for s, runs in by_system.items()}
         summary[shape] = {"medians": med, "targets": []}
         lines += [f"\nshape {shape} (n_embd {cfg.n_embd}, n_layer {cfg.n_layer}, vocab {cfg.vocab_size}); "
-                  f"batch {BATCH}, {args.steps} timed steps after {args.warmup} warm-up, {args.repeats} repeat(s), "
-                  f"{args.threads} thread(s); beam {args.beam_examples} MRs",  # fmt: skip
+                  f"batch {args.batch}, {args.steps} timed steps after {args.warmup} warm-up, {args.repeats} repeat(s), "
+                  f"{args.threads} thread(s); beam {args.beam_examples} MRs; device {args.device}, "
+                  f"precision {args.precision}, ours-torch compile {args.compile}",  # fmt: skip
                   f"{'system':12s} {'train ex/s':>10s} {'tok/s':>8s} {'peak RSS MB':>11s} {'train-phase':>11s} "
-                  f"{'beam s/ex':>9s} {'beam bs':>7s} {'gen len':>7s} {'beam RSS MB':>11s}  errors"]  # fmt: skip
+                  f"{'beam s/ex':>9s} {'beam bs':>7s} {'gen len':>7s} {'beam RSS MB':>11s}"
+                  + (f" {'train GPU MB':>12s} {'beam GPU MB':>11s}" if gpu else "") + "  errors"]  # fmt: skip
+        if gpu:
+            info = next((r for runs in by_system.values() for r in runs if "gpu_name" in r), {})
+            lines.append(f"GPU {info.get('gpu_name', '?')}, driver {getattr(args, 'driver', None) or '?'}, "
+                         f"torch {info.get('torch', '?')} (CUDA {info.get('torch_cuda', '?')})")  # fmt: skip
         for s, m in med.items():
             errors = sorted({r[k] for r in by_system[s] for k in ("train_error", "beam_error") if k in r})
             lines.append(f"{s:12s} {_fmt(m['train_ex_s']):>10s} {_fmt(m['train_tok_s'], '.1f'):>8s} "
                          f"{_fmt(m['train_rss_mb'], '.0f'):>11s} {_fmt(m['train_phase_rss_mb'], '.0f'):>11s} "
                          f"{_fmt(m['beam_s_ex'], '.3f'):>9s} {args.beam_batch[s]:>7d} {_fmt(m['gen_len'], '.1f'):>7s} "
-                         f"{_fmt(m['beam_rss_mb'], '.0f'):>11s}  {'; '.join(errors)}")  # fmt: skip
+                         f"{_fmt(m['beam_rss_mb'], '.0f'):>11s}"
+                         + (f" {_fmt(m['train_gpu_mb'], '.0f'):>12s} {_fmt(m['beam_gpu_mb'], '.0f'):>11s}" if gpu else "")
+                         + f"  {'; '.join(errors)}")  # fmt: skip
         loads = [r[k] for runs in by_system.values() for r in runs
                  for k in ("loadavg_start", "train_loadavg_end", "beam_loadavg_end") if k in r]  # fmt: skip
         lines.append(f"(1-min load average of the machine around the runs: median {statistics.median(loads):.1f}, "
                      f"range {min(loads):.1f}-{max(loads):.1f}, on {os.cpu_count()} CPUs)")  # fmt: skip
         lines.append(f"{'target':40s} {'ratio':>7s} {'bound':>8s}  result")
-        for label, key, num, den, op, bound, shapes in TARGETS:
+        for label, key, num, den, op, bound, shapes in targets(args.device, args.batch):
             if num not in med or den not in med:
                 continue
             a, b = med[num][key], med[den][key]
@@ -292,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-step", choices=DECODE_STEPS, default="auto",
                    help="ours-torch's beam decode step (auto: captured on a GPU, eager on the CPU; "
                         "ours-jittor always runs its own)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=BATCH, help=f"training batch (default {BATCH}, the paper's)")
+    p.add_argument("--compile", default="off",
+                   help="ours-torch's training step through torch.compile with this dynamo backend (inductor for "
+                        "real runs, aot_eager compiles fast), after one untimed pass over the timed batches "
+                        "(every length bucket compiled); off (default): eager")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write every raw number here")
     args = p.parse_args(argv)
     try:
@@ -301,8 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         args.beam_batch = _beam_batch(args.beam_batch, args.systems)
     except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))
-    if min(args.steps, args.repeats, args.beam_examples, args.threads) < 1 or args.warmup < 0:
-        p.error("--steps, --repeats, --beam-examples and --threads must be >= 1, --warmup >= 0")
+    if min(args.steps, args.repeats, args.beam_examples, args.threads, args.batch) < 1 or args.warmup < 0:
+        p.error("--steps, --repeats, --beam-examples, --threads and --batch must be >= 1, --warmup >= 0")
+    if args.compile != "off":
+        from torch._dynamo import list_backends
+
+        if args.compile not in list_backends(exclude_tags=()):
+            p.error(f"--compile: unknown dynamo backend {args.compile!r}; choose from off, "
+                    f"{', '.join(list_backends(exclude_tags=()))}")
+    args.driver = gpu_driver() if args.device != "cpu" else None
     args.data_dir = args.data_dir.resolve()
     for need in ("e2e/train.txt", "e2e/test.txt", "gpt2-vocab"):
         if not (args.data_dir / need).exists():

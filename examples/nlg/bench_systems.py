@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 
 STOP_IDS = (50256, 628)
-BATCH, LR, LABEL_SMOOTH, WEIGHT_DECAY, SEED = 8, 2e-4, 0.1, 0.01, 0
+BATCH, LR, LABEL_SMOOTH, WEIGHT_DECAY, SEED = 8, 2e-4, 0.1, 0.01, 0  # BATCH: the default (--batch)
 BEAM = dict(beam=10, length_penalty=0.9, no_repeat_ngram_size=4)  # + max 64 new tokens (paper)
 
 
-SHAPES = ("gpt2", "tiny", "demo")
+SHAPES = ("gpt2", "tiny", "demo", "gpt2-medium", "gpt2-large")  # the last two: GPT-2's presets, for a GPU
 
 
 def shape_config(name: str):
@@ -98,7 +98,7 @@ class Ours:
     """Our backend (``torch`` or ``jittor``) behind the benchmark's three calls."""
 
     def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
-                 precision: str = "fp32", decode_step: str = "auto"):
+                 precision: str = "fp32", decode_step: str = "auto", compile: str = "off"):
         import lora_core
         from lora_core.optim import AdamWConfig
         from lora_core.precision import LossScaleConfig
@@ -110,6 +110,8 @@ class Ours:
         del base
         self.be.to_device(self.model, device)
         self.be.set_precision(self.model, precision)
+        if trainable and compile != "off" and name == "torch":  # jittor has no compiled step
+            self.be.set_compile(self.model, True, backend=compile)
         if trainable:
             scaling = LossScaleConfig() if precision == "fp16" else None
             self.opt = self.be.AdamW(self.be.trainable_parameters(self.model),
@@ -117,6 +119,11 @@ class Ours:
 
     def peak_gpu_mb(self) -> float | None:
         return self.be.peak_gpu_mb(self.model)
+
+    def compiled_graphs(self) -> int | None:
+        """Graphs the compiled training step built (one per length bucket), ``None`` when eager."""
+        compiled = getattr(self.model, "compiled_loss", None)
+        return None if compiled is None else compiled.graphs
 
     def prepare(self, pairs):
         from lora_core.batching import collate
@@ -184,6 +191,9 @@ class HFPeft:
             return None
         return round(self.torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
 
+    def compiled_graphs(self) -> None:
+        return None  # HF+PEFT runs eager, as its documentation shows
+
     def prepare(self, pairs):
         torch = self.torch
         T = max(len(c) + len(t) for c, t in pairs)
@@ -232,9 +242,11 @@ class HFPeft:
 
 
 def make_system(name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
-                precision: str = "fp32", decode_step: str = "auto"):
+                precision: str = "fp32", decode_step: str = "auto", compile: str = "off"):
     """A system by name; ``hf-peft-bf16`` is ``hf-peft`` in bf16 whatever ``precision`` says;
-    ``decode_step``: our beam search's (``beam_search(..., decode_step=...)``; HF has its own)."""
+    ``decode_step``: our beam search's (``beam_search(..., decode_step=...)``; HF has its own);
+    ``compile``: ours-torch's training step through ``torch.compile`` with this dynamo
+    backend (``set_compile``), or ``off``."""
     if name.startswith("hf-peft"):
         return HFPeft(cfg, trainable, stops, device, "bf16" if name == "hf-peft-bf16" else precision)
-    return Ours(name.removeprefix("ours-"), cfg, trainable, stops, device, precision, decode_step)
+    return Ours(name.removeprefix("ours-"), cfg, trainable, stops, device, precision, decode_step, compile)
