@@ -106,13 +106,13 @@ def test_device_scoring_gives_the_host_scoring_beams(backend, tiny):
         backend.beam_search(m, ctxs, bc, scoring="gpu")
 
 
-def captured_search(model, ctxs, bc, batch_size):
+def captured_search(model, ctxs, bc, batch_size, recorder=None):
     """torch's beam search with the captured decode step, and its ``StaticDecoder`` (shapes met)."""
     from backends.torch._captured_decode import StaticDecoder
     from backends.torch.generate import _forward, _reorder, _repeat_rows
     from lora_core.beam import beam_search_batched
 
-    static = StaticDecoder(model, bc.max_new_tokens)
+    static = StaticDecoder(model, bc.max_new_tokens, recorder)
     on_device = next(model.parameters()).device.type != "cpu"
     model.eval()
     with model.decoding(rows=batch_size * bc.beam):
@@ -157,6 +157,48 @@ def test_captured_decode_step_gives_the_eager_beams(backend, tiny):
     for step in ("eager", "captured"):
         with pytest.raises(ValueError, match=f"sequence of {cfg.n_positions + 1} tokens exceeds n_positions"):
             backend.beam_search(m, long, BeamConfig(beam=2, max_new_tokens=10, stop_ids=()), decode_step=step)
+
+
+class ReplayRecorder:
+    """A CPU stand-in for ``CUDAGraphRecorder`` with its contract: two warm-up runs, an ``out``
+    fixed at recording, each replay recomputing the step into that ``out`` (unlike a CUDA
+    graph, the recording executes the step too)."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def record(self, fn):
+        for _ in range(2):
+            fn()
+        out = fn()
+
+        def replay():
+            self.replays += 1
+            out.copy_(fn())
+
+        return replay, out
+
+
+def test_captured_step_record_and_replay_logic(tiny):
+    """The GPU branch of the captured step, driven on CPU by a recorder of the CUDA graph
+    contract: one recording per shape, at a batch's first step (where the warm-ups' runs change
+    nothing), each step one replay into the reused output tensor, and the eager beams."""
+    cfg, base = tiny
+    bt = lc.get_backend("torch")
+    m = bt.build_model(cfg, None, base)
+    ctxs = [list(np.random.default_rng(20 + i).integers(1, 999, 3 + 2 * i)) for i in range(7)]
+    bc = BeamConfig(beam=4, max_new_tokens=12, stop_ids=(), length_penalty=0.8, repetition_penalty=1.3,
+                    no_repeat_ngram_size=2)
+    eager = bt.beam_search(m, ctxs, bc, batch_size=3, decode_step="eager")
+    rec = ReplayRecorder()
+    out, static = captured_search(m, ctxs, bc, 3, rec)
+    assert out == eager
+    assert static.captures == len(static.graphs) == len(static.caches) == 2  # (12, 32) and (4, 32)
+    assert rec.replays == 3 * (bc.max_new_tokens - 1)  # every step of the 3 batches (no stop ids: all 12 tokens)
+    cache = next(iter(static.caches.values()))
+    cache.s = 1
+    with pytest.raises(RuntimeError, match="first met at step 1, not 0"):
+        static._capture(cache)
 
 
 def test_captured_step_logits_match_a_full_forward(tiny):

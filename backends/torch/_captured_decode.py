@@ -6,15 +6,18 @@ input, padded to a multiple of 32 positions, and the generated positions per bea
 buffers of ``max_new_tokens`` slots, reordered in place and written at the step's slot.
 Every tensor a step reads or writes then keeps its shape and address for the whole batch,
 and for every batch of the same shape. On CUDA, :class:`StaticDecoder` records the step
-(embedding, every layer, the head) once per shape as a ``torch.cuda.CUDAGraph`` and replays
-it: one launch per step instead of some 15 per layer. On a CPU, where there is nothing to
-capture, the same step runs op by op (the tests run it there against the growing cache).
+(embedding, every layer, the head) once per shape as a ``torch.cuda.CUDAGraph``
+(:class:`CUDAGraphRecorder`) and replays it: one launch per step instead of some 15 per
+layer. On a CPU, where there is nothing to capture, the same step runs op by op (the tests
+run it there against the growing cache, and drive the record/replay logic with a stand-in
+recorder of the same contract).
 For inference: no gradient flows through it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -107,14 +110,16 @@ class StaticKVCache:
 class StaticDecoder:
     """The decode steps of one ``beam_search`` call: a :class:`StaticKVCache` per shape, and on
     CUDA the step captured once per shape; ``captures`` counts the captures, ``caches`` the
-    shapes met."""
+    shapes met. ``recorder``: how a step is captured (``record(fn) -> (replay, out)``; default
+    :class:`CUDAGraphRecorder` on CUDA, none on a CPU: each step runs op by op)."""
 
-    def __init__(self, model, max_new_tokens: int):
+    def __init__(self, model, max_new_tokens: int, recorder=None):
         self.model, self.slots = model, max_new_tokens
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Callable[[], object], torch.Tensor]] = {}
         self.captures = 0
-        self.on_cuda = next(model.parameters()).device.type == "cuda"
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.recorder = recorder if recorder is not None else CUDAGraphRecorder() if on_cuda else None
 
     def start(self, past, mask: np.ndarray, repeats: int) -> StaticKVCache:
         """The cache for a batch's prompt (``past``: per layer (k, v) of the B prompts; ``mask``
@@ -131,14 +136,14 @@ class StaticDecoder:
         """Next-token logits (R, V), float32, after the rows' new ``tokens`` (R,). On CUDA the
         tensor is the captured graph's output, overwritten by the next step of that shape."""
         cache.set_inputs(tokens, self.model.config.n_positions)
-        if not self.on_cuda:
+        if self.recorder is None:
             out = self._run(cache)
         else:
             key = (cache.rows.shape[0], cache.capacity)
-            if key not in self.graphs:  # (the recording executes nothing: the replay is the step)
+            if key not in self.graphs:
                 self.graphs[key] = self._capture(cache)
-            graph, out = self.graphs[key]
-            graph.replay()
+            replay, out = self.graphs[key]
+            replay()  # the step itself (the warm-ups and the recording changed nothing)
         cache.advance()
         return out
 
@@ -159,23 +164,31 @@ class StaticDecoder:
                 x, _ = block(x, (cache, i), None)
             return model.lm_logits(model.ln_f(x)[:, -1]).float()
 
-    def _capture(self, cache: StaticKVCache) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Record the step for ``cache``'s shape. The warm-up runs (on a side stream, as
-        CUDA graphs need) and the recording would move the cache, so they run on a copy of
-        its state, restored afterwards."""
-        saved = [(k.clone(), v.clone()) for k, v in cache.generated]
+    def _capture(self, cache: StaticKVCache) -> tuple[Callable[[], object], torch.Tensor]:
+        """Record the step for ``cache``'s shape: always at a batch's first step, where the
+        recorder's warm-up runs change nothing (the generated slots are all zero, so the
+        reorder moves zeros, and each run writes the same keys and values at slot 0)."""
+        if cache.s != 0:
+            raise RuntimeError(f"captured decode step: a shape first met at step {cache.s}, not 0")
+        self.captures += 1
+        return self.recorder.record(lambda: self._run(cache))
+
+
+class CUDAGraphRecorder:
+    """Records a step as a ``torch.cuda.CUDAGraph``: two warm-up runs on a side stream (as
+    capture needs), then the recording, which executes nothing. ``record(fn) -> (replay,
+    out)``: each ``replay()`` runs the recorded kernels again and rewrites ``out`` in place."""
+
+    warmups = 2
+
+    def record(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], object], torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(cache)
+            for _ in range(self.warmups):
+                fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._run(cache)
-        with torch.no_grad():
-            for (k, v), (k0, v0) in zip(cache.generated, saved):
-                k.copy_(k0)
-                v.copy_(v0)
-        self.captures += 1
-        return graph, out
+            out = fn()
+        return graph.replay, out
