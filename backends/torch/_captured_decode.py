@@ -26,6 +26,7 @@ from lora_core.beam import compose_rows
 from lora_core.masks import MASK_VALUE
 from lora_core.static_cache import check_room, prompt_capacity, prompt_layout
 
+from .model import attend_shared_prompt
 from .precision import DTYPES
 
 
@@ -89,22 +90,9 @@ class StaticKVCache:
         for buf, new in ((kg, k), (vg, v)):
             buf.copy_(buf.index_select(0, self.rows))
             buf.index_copy_(2, self.step_index, new.to(buf.dtype))
-        kp, vp = self.prompt[i]
-        R, nh, T, hs = q.shape
-        B, beam = kp.shape[0], self.repeats
-
-        def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
-            return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
-
-        def by_row(x):  # inverse of by_input
-            return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
-
         gen_bias = (self.slot_index > self.step_index).to(self.prompt_bias.dtype) * MASK_VALUE  # 0 on written slots
-        scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
-        bias = torch.cat([self.prompt_bias, gen_bias.expand(R, 1, 1, self.slots)], dim=-1)
-        att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
-        C = self.capacity
-        return by_row(by_input(att[..., :C]) @ vp) + att[..., C:] @ vg
+        bias = torch.cat([self.prompt_bias, gen_bias.expand(q.shape[0], 1, 1, self.slots)], dim=-1)
+        return attend_shared_prompt(q, *self.prompt[i], kg, vg, bias)
 
 
 class StaticDecoder:

@@ -26,7 +26,6 @@ from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
-from ._captured_decode import StaticKVCache
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
@@ -76,24 +75,32 @@ class KVCache:
             buf[:, :, n:] = new
             grown.append(buf)
         self.generated[i] = kg, vg = tuple(grown)
-        kp, vp = self.prompt[i]
-        R, nh, T, hs = q.shape
-        B, P, beam = kp.shape[0], kp.shape[2], self.repeats
-
-        def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
-            return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
-
-        def by_row(x):  # inverse of by_input
-            return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
-
-        scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
-        att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
-        return by_row(by_input(att[..., :P]) @ vp) + att[..., P:] @ vg
+        return attend_shared_prompt(q, *self.prompt[i], kg, vg, bias)
 
     def advance(self, T: int) -> None:
         """Called once every layer has taken its ``T`` new positions."""
         self.length += T
         self.pending = self.rows = None
+
+
+def attend_shared_prompt(q, kp, vp, kg, vg, bias) -> torch.Tensor:
+    """Attention of the queries ``q`` (R, nh, T, hs) of R = B x beam rows (input-major) over a
+    prompt cache kept once per input, ``kp``/``vp`` (B, nh, P, hs), and each row's generated
+    keys and values ``kg``/``vg`` (R, nh, G, hs); ``bias`` (R|1, 1, T, P + G) is additive. The
+    prompt is read once per input: its beams are extra query rows of one product."""
+    R, nh, T, hs = q.shape
+    B, P = kp.shape[0], kp.shape[2]
+    beam = R // B
+
+    def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
+        return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
+
+    def by_row(x):  # inverse of by_input
+        return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
+
+    scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
+    att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
+    return by_row(by_input(att[..., :P]) @ vp) + att[..., P:] @ vg
 
 
 def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
@@ -122,7 +129,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split(E, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         p = self.attn_pdrop if self.training else 0.0
-        if isinstance(past, tuple) and isinstance(past[0], (KVCache, StaticKVCache)):
+        if isinstance(past, tuple) and not isinstance(past[0], torch.Tensor):  # a cache object: (cache, layer)
             y = past[0].attend(past[1], q, k, v, bias)
             return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, E))), None
         if past is not None:
