@@ -85,6 +85,16 @@ def test_bench_gpu_table_and_targets():
     assert "GPU MB" not in table and all("GPU" not in t["target"] for t in summary["gpt2-medium"]["targets"])
 
 
+def test_bench_medians_over_repeats_skip_missing_figures():
+    """Medians over repeats; a figure a run lacks or reports as None (GPU memory on a CPU, a
+    failed run) is left out, and None when no run has it."""
+    runs = [{"train_ex_s": 3.0, "train_gpu_mb": None}, {"train_ex_s": 1.0, "train_gpu_mb": None},
+            {"train_ex_s": 2.0, "beam_s_ex": 0.5}]  # fmt: skip
+    med = bench.medians(runs)
+    assert med["train_ex_s"] == 2.0 and med["beam_s_ex"] == 0.5
+    assert med["train_gpu_mb"] is None and med["beam_gpu_mb"] is None
+
+
 @pytest.mark.gpu
 def test_bench_runs_on_the_gpu(shared_dir, tmp_path, capsys):
     """``--device cuda``: every system trains and decodes on the GPU, with its peak GPU memory."""

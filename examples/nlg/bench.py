@@ -251,7 +251,8 @@ def code_version() -> str:
 def medians(runs: list[dict]) -> dict:
     keys = ("train_ex_s", "train_tok_s", "train_rss_mb", "train_phase_rss_mb", "beam_s_ex", "gen_len", "beam_rss_mb",
             "train_gpu_mb", "beam_gpu_mb")  # fmt: skip
-    return {k: statistics.median(r[k] for r in runs if k in r) if any(k in r for r in runs) else None for k in keys}
+    got = {k: [r[k] for r in runs if r.get(k) is not None] for k in keys}  # (no GPU figures on a CPU)
+    return {k: statistics.median(v) if v else None for k, v in got.items()}
 
 
 def _fmt(x, spec=".2f") -> str:
