@@ -181,13 +181,14 @@ def run_beam_search(forward: Callable, repeat_rows: Callable, reorder: Callable,
     """Drive one batch. The backend supplies three tensor primitives:
 
     - ``forward(ids, past, mask) -> (last_logits (rows, V) numpy, past)``
-    - ``repeat_rows(past, n)``: each row's cache repeated ``n`` times (input-major)
+    - ``repeat_rows(past, n, mask)``: each row's cache repeated ``n`` times (input-major);
+      ``mask`` (inputs, P) is the prompts' attention mask, for a cache that lays them out itself
     - ``reorder(past, rows)``: cache rows selected by ``rows``
     """
     ids, mask = left_pad(contexts)
     logits, past = forward(ids, None, mask)
     k = cfg.beam
-    past, mask = repeat_rows(past, k), np.repeat(mask, k, axis=0)
+    past, mask = repeat_rows(past, k, mask), np.repeat(mask, k, axis=0)
     logits = np.repeat(logits, k, axis=0) if isinstance(logits, np.ndarray) else logits.repeat_rows(k)
     search = BeamSearch(len(contexts), cfg)
     while True:

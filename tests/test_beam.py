@@ -217,7 +217,7 @@ def test_captured_step_logits_match_a_full_forward(tiny):
     static = StaticDecoder(m, 8)
     with torch.no_grad():
         past = m(ids, attention_mask=mask)[1]
-        cache = static.start(past, mask, 2)
+        cache = static.start(past, 2, mask)
         seq, msk, worst = np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), 0.0
         for rows in ([0, 1, 2, 3], [1, 1, 2, 2], [0, 1, 3, 2], [1, 0, 3, 3], [0, 0, 2, 3]):
             cache.reorder(np.array(rows))
@@ -253,7 +253,7 @@ def test_captured_step_traces_as_one_graph(tiny):
 
     traced = torch.compile(static._run, backend=count, fullgraph=True)
     with torch.no_grad():
-        cache = static.start(m(ids, attention_mask=mask)[1], mask, 2)
+        cache = static.start(m(ids, attention_mask=mask)[1], 2, mask)
         cache.set_inputs(np.array([1, 2, 3, 4]), cfg.n_positions)
         for packed in (False, True):
             with m.decoding(rows=4) if packed else contextlib.nullcontext():

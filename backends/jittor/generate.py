@@ -46,7 +46,7 @@ def _forward(model, on_device: bool):
     return forward
 
 
-def _repeat_rows(past, n):
+def _repeat_rows(past, n, mask):
     return KVCache(past, n)
 
 

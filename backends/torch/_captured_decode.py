@@ -97,19 +97,18 @@ class StaticKVCache:
 
 class StaticDecoder:
     """The decode steps of one ``beam_search`` call: a :class:`StaticKVCache` per shape, and on
-    CUDA the step captured once per shape; ``captures`` counts the captures, ``caches`` the
-    shapes met. ``recorder``: how a step is captured (``record(fn) -> (replay, out)``; default
+    CUDA the step captured once per shape (``graphs``: the recordings by shape, ``caches``:
+    the buffers of the shapes met). ``recorder``: how a step is captured (``record(fn) -> (replay, out)``; default
     :class:`CUDAGraphRecorder` on CUDA, none on a CPU: each step runs op by op)."""
 
     def __init__(self, model, max_new_tokens: int, recorder=None):
         self.model, self.slots = model, max_new_tokens
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
         self.graphs: dict[tuple[int, int], tuple[Callable[[], object], torch.Tensor]] = {}
-        self.captures = 0
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.recorder = recorder if recorder is not None else CUDAGraphRecorder() if on_cuda else None
 
-    def start(self, past, mask: np.ndarray, repeats: int) -> StaticKVCache:
+    def start(self, past, repeats: int, mask: np.ndarray) -> StaticKVCache:
         """The cache for a batch's prompt (``past``: per layer (k, v) of the B prompts; ``mask``
         (B, P)), its buffers repeated beam-wise: the shape's buffers, reused when met before."""
         B, P = mask.shape
@@ -135,6 +134,11 @@ class StaticDecoder:
         cache.advance()
         return out
 
+    @property
+    def captures(self) -> int:
+        """Steps recorded so far (one per shape)."""
+        return len(self.graphs)
+
     def _autocast(self):
         precision = getattr(self.model, "precision", "fp32")
         if precision == "fp32":
@@ -158,7 +162,6 @@ class StaticDecoder:
         reorder moves zeros, and each run writes the same keys and values at slot 0)."""
         if cache.s != 0:
             raise RuntimeError(f"captured decode step: a shape first met at step {cache.s}, not 0")
-        self.captures += 1
         return self.recorder.record(lambda: self._run(cache))
 
 

@@ -55,16 +55,13 @@ def _forward(model, on_device: bool, static: StaticDecoder | None):
             with autocast(model):
                 h, past = model.hidden(torch.from_numpy(ids), past=past, attention_mask=mask)
                 logits = model.lm_logits(h[:, -1]).float()
-            if static is not None:  # the prompt: its cache goes to the preallocated buffers
-                past = (past, mask)
         return (DeviceLogits(logits) if on_device else logits.cpu().numpy()), past
     return forward
 
 
 def _repeat_rows(static: StaticDecoder | None):
-    if static is None:
-        return lambda past, n: KVCache(past, n)
-    return lambda past, n: static.start(past[0], past[1], n)
+    """The prompt cache repeated beam-wise: a growing ``KVCache``, or the decoder's preallocated one."""
+    return (lambda past, n, mask: KVCache(past, n)) if static is None else static.start
 
 
 def _reorder(cache, rows):
