@@ -189,6 +189,22 @@ def load_distilbert_checkpoint(
     return cfg, tensors, has_head
 
 
+def classifier_from_pretrained(
+    model_cls, load_adapter, path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+    num_labels: int | None = None, head_seed: int = 0,
+):
+    """The backends' ``distilbert_from_pretrained``: ``model_cls(cfg)`` (a backend's
+    ``DistilBertForSequenceClassification``) holding the HF weights at ``path`` (a checkpoint
+    without a classification head gets ``init_head(cfg, head_seed)``), then the adapter folder
+    ``adapter`` (ours or peft's) through the backend's ``load_adapter(model, adapter)``."""
+    cfg, tensors, has_head = load_distilbert_checkpoint(path, num_labels=num_labels)
+    model = model_cls(cfg)
+    model.load_weights(tensors if has_head else dict(tensors, **init_head(cfg, head_seed)))
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return model
+
+
 def pack_indices(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Indices that let the model run its per-token layers on the real tokens only.
 
@@ -225,6 +241,7 @@ __all__ = [
     "PRESETS",
     "attention_scale",
     "base_shapes",
+    "classifier_from_pretrained",
     "init_head",
     "init_weights",
     "load_distilbert_checkpoint",

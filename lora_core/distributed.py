@@ -52,7 +52,20 @@ __all__ = [
     "unpack_outputs",
     "batch_shard",
     "gather_outputs",
+    "LOSSES",
+    "pick_loss",
 ]
+
+
+LOSSES = ("lm", "cls")  # data_parallel(model, loss=...): lm_loss (GPT-2) or cls_loss (classifiers)
+
+
+def pick_loss(loss: str, lm_loss, cls_loss):
+    """The backend's training loss of one micro-batch for ``data_parallel(model, loss)``, as
+    ``f(model, batch, label_smooth)`` (classification takes no label smoothing)."""
+    if loss not in LOSSES:
+        raise ValueError(f"data_parallel: loss must be one of {sorted(LOSSES)}, got {loss!r}")
+    return lm_loss if loss == "lm" else lambda model, batch, _: cls_loss(model, batch)
 
 
 class DistributedError(RuntimeError):

@@ -19,6 +19,7 @@ from lora_core.distributed import (
     check_shardable,
     discover_world,
     pack_outputs,
+    pick_loss,
     run_hash,
     shard_range,
     shard_step,
@@ -32,6 +33,19 @@ def _pairs(n=11, seed=0):
     return [
         (list(rng.integers(1, 50, rng.integers(1, 6))), list(rng.integers(1, 50, rng.integers(1, 5)))) for _ in range(n)
     ]
+
+
+def test_pick_loss_maps_the_choice_to_the_backend_loss():
+    def lm(model, batch, label_smooth):
+        return ("lm", model, batch, label_smooth)
+
+    def cls(model, batch):
+        return ("cls", model, batch)
+
+    assert pick_loss("lm", lm, cls) is lm
+    assert pick_loss("cls", lm, cls)("m", "b", 0.1) == ("cls", "m", "b")  # no label smoothing for classifiers
+    with pytest.raises(ValueError, match=r"loss must be one of \['cls', 'lm'\], got 'mse'"):
+        pick_loss("mse", lm, cls)
 
 
 def test_discover_world():

@@ -53,6 +53,33 @@ def test_jittor_self_check_passes_on_cpu_and_fails_clearly_when_faked(tmp_path, 
         _gpu_check.ensure_gpu_ok(force=True, compute=crash)
 
 
+def test_every_jittor_model_entry_point_runs_the_self_check_first(tmp_path, monkeypatch):
+    """A failing self-check stops each way of making a jittor model before any model work
+    (the missing checkpoint would otherwise be the error)."""
+    import lora_core as lc
+
+    bj = lc.get_backend("jittor")
+    from backends.jittor import distilbert, inject
+
+    def failing(*_, **__):
+        raise GPUSelfCheckError("faked: jittor returned wrong numbers")
+
+    for module, name in ((bj, "_ensure_gpu_ok"), (inject, "ensure_gpu_ok"), (distilbert, "ensure_gpu_ok")):
+        monkeypatch.setattr(module, name, failing)
+    cfg = lc.gpt2_config("tiny-32")
+    missing = tmp_path / "no-such-checkpoint"
+    calls = {
+        "build_model": lambda: bj.build_model(cfg, None, lc.init_gpt2_weights(cfg)),
+        "from_pretrained": lambda: bj.from_pretrained(missing),
+        "distilbert_from_pretrained": lambda: bj.distilbert_from_pretrained(missing),
+        "inject_lora": lambda: bj.inject_lora(None, None),
+    }
+    for what, call in calls.items():
+        with pytest.raises(GPUSelfCheckError, match="faked"):
+            call()
+        print(what, "checked first")
+
+
 @pytest.mark.gpu
 def test_jittor_on_cuda_is_checked_before_model_work():
     from backends.jittor._env import cuda_driver_present

@@ -11,8 +11,9 @@ import numpy as np
 from jittor import nn
 
 from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint, pack_indices
+from lora_core.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
+from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, softmax_scaled
 from .lora import TrainEvalMixin, assign_keep_grad
 
@@ -172,15 +173,14 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
 def distilbert_from_pretrained(
     path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0
 ):
-    """A DistilBERT classifier from HF weights, optionally with an adapter (ours or peft's)."""
+    """A DistilBERT classifier from HF weights (a checkpoint without a classification head
+    gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);
+    see ``lora_core.distilbert.classifier_from_pretrained``."""
     from .inject import load_lora_adapter
 
-    cfg, tensors, has_head = load_distilbert_checkpoint(path, num_labels=num_labels)
-    model = DistilBertForSequenceClassification(cfg)
-    model.load_weights(tensors if has_head else dict(tensors, **init_head(cfg, head_seed)))
-    if adapter is not None:
-        load_lora_adapter(model, adapter)
-    return model
+    ensure_gpu_ok()  # jittor's numbers checked against numpy before any model work on a GPU
+    return classifier_from_pretrained(DistilBertForSequenceClassification, load_lora_adapter, path, adapter,
+                                      num_labels, head_seed)
 
 
 __all__ = ["DistilBertForSequenceClassification", "distilbert_from_pretrained"]

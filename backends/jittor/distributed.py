@@ -6,7 +6,7 @@ from __future__ import annotations
 import jittor as jt
 import numpy as np
 
-from lora_core.distributed import DistributedError, World
+from lora_core.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
 from .lora import assign_keep_grad, trainable_parameters
@@ -42,14 +42,7 @@ class _DataParallel:
     """The model and what the update needs; gradients are summed with one fused all-reduce."""
 
     def __init__(self, model, loss: str):
-        self.model, self.loss = model, _loss_function(loss)
-
-
-def _loss_function(loss: str):
-    losses = {"lm": lm_loss, "cls": lambda model, batch, _: cls_loss(model, batch)}
-    if loss not in losses:
-        raise ValueError(f"data_parallel: loss must be one of {sorted(losses)}, got {loss!r}")
-    return losses[loss]
+        self.model, self.loss = model, pick_loss(loss, lm_loss, cls_loss)
 
 
 def data_parallel(model, loss: str = "lm"):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, init_head, load_distilbert_checkpoint, pack_indices
+from lora_core.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
@@ -187,15 +187,12 @@ def distilbert_from_pretrained(
     path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0
 ):
     """A DistilBERT classifier from HF weights (a checkpoint without a classification head
-    gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's)."""
+    gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);
+    see ``lora_core.distilbert.classifier_from_pretrained``."""
     from .inject import load_lora_adapter
 
-    cfg, tensors, has_head = load_distilbert_checkpoint(path, num_labels=num_labels)
-    model = DistilBertForSequenceClassification(cfg)
-    model.load_weights(tensors if has_head else dict(tensors, **init_head(cfg, head_seed)))
-    if adapter is not None:
-        load_lora_adapter(model, adapter)
-    return model
+    return classifier_from_pretrained(DistilBertForSequenceClassification, load_lora_adapter, path, adapter,
+                                      num_labels, head_seed)
 
 
 __all__ = ["DistilBertForSequenceClassification", "distilbert_from_pretrained"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lora_core.distributed import DistributedError, World
+from lora_core.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
 from .precision import autocast
@@ -67,18 +67,11 @@ class _Loss(torch.nn.Module):
 
     def __init__(self, model, loss: str):
         super().__init__()
-        self.model, self.loss = model, _loss_function(loss)
+        self.model, self.loss = model, pick_loss(loss, lm_loss, cls_loss)
 
     def forward(self, batch: dict, label_smooth: float):
         with autocast(self.model):
             return self.loss(self.model, batch, label_smooth)
-
-
-def _loss_function(loss: str):
-    losses = {"lm": lm_loss, "cls": lambda model, batch, _: cls_loss(model, batch)}
-    if loss not in losses:
-        raise ValueError(f"data_parallel: loss must be one of {sorted(losses)}, got {loss!r}")
-    return losses[loss]
 
 
 def data_parallel(model, loss: str = "lm"):
