@@ -39,6 +39,31 @@ class Injection:
         return out
 
 
+def layer_description(kind: str, weight_shape) -> tuple[str, int, int]:
+    """``(kind, in, out)`` from a weight's shape: Linear (out, in), GPT-2 ``Conv1D`` (in, out),
+    Embedding (num_embeddings, dim), the frameworks' own layouts."""
+    a, b = (int(d) for d in weight_shape)
+    return (kind, b, a) if kind == "linear" else (kind, a, b)
+
+
+def describe_module(m, lora_kind, plain_kind, adapted_ok: bool = False):
+    """The backends' ``describe``: ``(kind, in, out)`` of a module LoRA can adapt, else a
+    string (its type name, or why it cannot be adapted again).
+
+    ``lora_kind(m)``: the base kind of one of the backend's LoRA layers (any ``r``), else
+    None. ``plain_kind(m)``: the kind of a framework layer that LoRA can adapt (the backend
+    decides which of its ``r = 0`` LoRA layers count), else None. ``adapted_ok``: a layer that
+    already has LoRA is described by its base kind (reading an injection back) instead of
+    being refused."""
+    kind = lora_kind(m)
+    if kind is not None and adapted_ok:
+        return layer_description(kind, m.weight.shape)
+    if kind is not None and m.r:
+        return f"{type(m).__name__} already adapted (r={m.r})"
+    kind = plain_kind(m)
+    return type(m).__name__ if kind is None else layer_description(kind, m.weight.shape)
+
+
 def as_target_config(config: LoRATargetConfig | LoRAConfig) -> LoRATargetConfig:
     """A GPT-2 ``LoRAConfig`` is accepted too (same modules, same per-slice ``c_attn``)."""
     if isinstance(config, LoRATargetConfig):

@@ -13,7 +13,7 @@ import numpy as np
 from jittor import nn
 
 from lora_core import adapter_io
-from lora_core.injection import inject, require_injection
+from lora_core.injection import describe_module, inject, require_injection
 from lora_core.targeting import LayerPlan
 
 from ._gpu_check import ensure_gpu_ok
@@ -44,26 +44,25 @@ class LoRAMergedConv1D(_FanInFanOut, LoRAMergedLinear):
     """``LoRAMergedLinear`` (per-slice LoRA) on a ``Conv1D``-style weight (in, out)."""
 
 
-def _describe(m: nn.Module, adapted_ok: bool = False):
-    """``(kind, in, out)`` of a module LoRA can adapt, else its type name (``adapted_ok``:
-    a layer that already has LoRA is described by its base kind)."""
-    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)) and adapted_ok:
-        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
-    if isinstance(m, (LoRALinear, LoRAEmbedding)) and adapted_ok:
-        return (
-            ("embedding", *m.weight.shape)
-            if isinstance(m, LoRAEmbedding)
-            else ("linear", m.weight.shape[1], m.weight.shape[0])
-        )
-    if isinstance(m, (LoRALinear, LoRAEmbedding)) and m.r:
-        return f"{type(m).__name__} already adapted (r={m.r})"
+def _lora_kind(m: nn.Module) -> str | None:
+    if isinstance(m, (LoRAConv1D, LoRAMergedConv1D)):
+        return "conv1d"
+    return "embedding" if isinstance(m, LoRAEmbedding) else "linear" if isinstance(m, LoRALinear) else None
+
+
+def _plain_kind(m: nn.Module) -> str | None:
     if type(m) in (nn.Embedding, LoRAEmbedding):
-        return ("embedding", m.weight.shape[0], m.weight.shape[1])
+        return "embedding"
     if type(m) in (nn.Linear, LoRALinear):
-        return ("linear", m.weight.shape[1], m.weight.shape[0])
+        return "linear"
     if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and len(m.weight.shape) == 2:  # an HF-style port
-        return ("conv1d", m.weight.shape[0], m.weight.shape[1])
-    return type(m).__name__
+        return "conv1d"
+    return None
+
+
+def _describe(m: nn.Module, adapted_ok: bool = False):
+    """``lora_core.injection.describe_module`` with this backend's layer classes."""
+    return describe_module(m, _lora_kind, _plain_kind, adapted_ok)
 
 
 def _set_child(parent: nn.Module, child: str, new: nn.Module) -> None:
