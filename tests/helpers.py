@@ -58,3 +58,13 @@ def peft_c_attn(hf_model, n_layer: int, lora_weights: dict, r: int, alpha: float
             layer.lora_A["default"].weight.copy_(torch.from_numpy(lora_weights[f"h.{i}.attn.c_attn.lora_A"]))
             layer.lora_B["default"].weight.copy_(torch.from_numpy(lora_weights[f"h.{i}.attn.c_attn.lora_B"]))
     return pm
+
+
+def toy_train_args(toy: dict, out_dir, steps: int, settings: list[str], *extra: str) -> list[str]:
+    """``examples.nlg.train``'s arguments for a run on ``lora_core.toy``'s data (``toy``: its
+    paths and vocabulary size) with a tiny random GPT-2; the caller adds ``--backend``."""
+    return [
+        "--recipe", "toy", "--train", str(toy["train"]), "--valid", str(toy["valid"]), "--random-init", "tiny",
+        "--vocab-size", str(toy["vocab_size"]), *extra, "--max-steps", str(steps), "--no-progress",
+        "--out-dir", str(out_dir), "--set", *settings,
+    ]  # fmt: skip

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, toy_train_args
 
 from lora_core.checkpoint import read_tensors
 from lora_core.convert import convert
@@ -62,28 +62,8 @@ def toy(tmp_path_factory):
 
 
 def _train_args(toy, out_dir, settings=SETTINGS, save_base=False):
-    return [
-        "-m",
-        "examples.nlg.train",
-        "--recipe",
-        "toy",
-        "--train",
-        str(toy["train"]),
-        "--valid",
-        str(toy["valid"]),
-        "--random-init",
-        "tiny",
-        "--vocab-size",
-        str(toy["vocab_size"]),
-        *(["--save-base"] if save_base else []),
-        "--max-steps",
-        str(STEPS),
-        "--no-progress",
-        "--out-dir",
-        str(out_dir),
-        "--set",
-        *settings,
-    ]
+    extra = ["--save-base"] if save_base else []
+    return ["-m", "examples.nlg.train", *toy_train_args(toy, out_dir, STEPS, settings, *extra)]
 
 
 def _launch(

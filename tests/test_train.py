@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import toy_train_args
 
 import lora_core
 from examples.nlg import plot as plot_cli
@@ -54,27 +55,7 @@ def toy(tmp_path_factory):
 
 
 def _cli_args(backend_name, toy, out_dir):
-    return [
-        "--backend",
-        backend_name,
-        "--recipe",
-        "toy",
-        "--train",
-        str(toy["train"]),
-        "--valid",
-        str(toy["valid"]),
-        "--random-init",
-        "tiny",
-        "--vocab-size",
-        str(toy["vocab_size"]),
-        "--max-steps",
-        str(STEPS),
-        "--no-progress",
-        "--out-dir",
-        str(out_dir),
-        "--set",
-        *SETTINGS,
-    ]
+    return ["--backend", backend_name, *toy_train_args(toy, out_dir, STEPS, SETTINGS)]
 
 
 def _run_cli(args, via_shell: bool = False) -> subprocess.CompletedProcess:
