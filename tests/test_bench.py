@@ -56,6 +56,28 @@ def test_bench_batch_and_compiled_step(shared_dir, tmp_path, capsys):
     assert "unknown dynamo backend 'turbo'" in capsys.readouterr().err
 
 
+def test_bench_row_of_a_failed_system_says_why(shared_dir, tmp_path, capsys):
+    """A system that refuses its settings (jittor and bf16) gets a row whose errors column
+    carries the worker's exception, and the bench exits 1."""
+    data = shared_dir / "data"
+    if not (data / "e2e" / "train.txt").is_file():
+        pytest.skip(f"shared E2E data missing: {data} (set LORA_SHARED)")
+    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--systems", "ours-jittor", "--steps", "1",
+                     "--warmup", "0", "--repeats", "1", "--beam-examples", "1", "--precision", "bf16"])  # fmt: skip
+    table = capsys.readouterr().out
+    (row,) = [line for line in table.splitlines() if line.startswith("ours-jittor")]
+    assert rc == 1 and "worker exited with 1: ValueError: precision='bf16' is not supported by the jittor backend" in row, table
+
+
+def test_cls_bench_lists_failed_runs():
+    from examples.cls import bench as cls_bench
+
+    run = {"train_ex_s": 10.0, "eval_ex_s": 50.0, "rss_mb": 300.0, "dev_accuracy": 0.5}
+    table = cls_bench.summarise({"ours-torch": [run], "hf-peft": [{"error": "worker killed by SIGABRT"}]})
+    assert "| ours-torch | 10.00 |" in table and "| hf-peft |" not in table, table
+    assert table.endswith("errors (these runs are left out of the tables):\n- hf-peft run 1: worker killed by SIGABRT")
+
+
 def test_bench_gpu_table_and_targets():
     """On a GPU the table adds peak GPU memory and the GPU's name, and checks issue 8's targets:
     training >= 2x HF+PEFT at batch 8 (1.5x above) on gpt2-medium, beam <= 0.5x, GPU memory <= 1x."""

@@ -28,7 +28,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,8 @@ import numpy as np
 import lora_core as lc
 from lora_core import cls_data
 from lora_core.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
+
+from ..bench_worker import run_as_worker, spawn
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 BATCH, ACCUM, EVAL_BATCH, LR = 16, 2, 64, 2e-4
@@ -182,16 +183,6 @@ def run_worker(spec: dict) -> dict:
             and cfg.n_layers == DISTILBERT.n_layers and cfg.hidden_dim == DISTILBERT.hidden_dim}  # fmt: skip
 
 
-def spawn(spec: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-m", "examples.cls.bench", "--worker", json.dumps(spec)], env=env,
-                          stdout=subprocess.PIPE, text=True)  # fmt: skip
-    lines = proc.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": f"exit {proc.returncode}"}
-
-
 def summarise(raw: dict) -> str:
     keys = ("train_ex_s", "eval_ex_s", "rss_mb", "dev_accuracy")
     med = {s: {k: statistics.median(r[k] for r in runs) for k in keys}
@@ -207,6 +198,8 @@ def summarise(raw: dict) -> str:
             ok = ratio >= bound if kind == "ge" else ratio <= bound
             met = ("yes" if ok else "no") if at_shape else "info (the targets are for the distilbert shape)"
             lines.append(f"| {label} | {'>=' if kind == 'ge' else '<='} {bound} | {ratio:.2f} | {met} |")
+    failed = [f"- {s} run {i + 1}: {r['error']}" for s, runs in raw.items() for i, r in enumerate(runs) if "error" in r]
+    lines += ["", "errors (these runs are left out of the tables):", *failed] if failed else []
     return "\n".join(lines)
 
 
@@ -226,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(json.loads(args.worker))))
-        return 0
+        return run_as_worker(run_worker, args.worker)
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -238,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = {"system": s, "shape": args.shape, "data_dir": str(args.data_dir), "steps": args.steps,
                     "warmup": args.warmup, "threads": args.threads, "base": str(args.base or ""),
                     "no_dropout": args.no_dropout}  # fmt: skip
-            raw[s].append(dict(spawn(spec), loadavg_start=os.getloadavg()[0]))
+            load = os.getloadavg()[0]
+            raw[s].append(dict(spawn("examples.cls.bench", spec, args.threads), loadavg_start=load))
     table = summarise(raw)
     print(table)
     if args.json:

@@ -63,6 +63,7 @@ from lora_core.device import DEVICE_CHOICES, parse_device
 from lora_core.precision import PRECISIONS
 from lora_core.static_cache import DECODE_STEPS
 
+from ..bench_worker import run_as_worker, spawn
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")  # the default set
@@ -199,22 +200,6 @@ def run_worker(spec: dict) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
-def spawn(spec: dict) -> dict:
-    """Run one worker in a fresh interpreter; returns its result or ``{"error": ...}``."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [sys.executable, "-m", "examples.nlg.bench", "--worker", json.dumps(spec)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"worker exited with {proc.returncode}", "wall_s": time.perf_counter() - t0}
-    out = json.loads(lines[-1])
-    out["wall_s"] = time.perf_counter() - t0
-    return out
-
-
 def run_all(args) -> dict:
     """Every (shape, repeat, system, task) in its own process; systems rotate per repeat."""
     raw = {}
@@ -231,7 +216,7 @@ def run_all(args) -> dict:
                             "threads": args.threads, "device": args.device, "precision": args.precision,
                             "decode_step": args.decode_step, "batch": args.batch, "compile": args.compile}  # fmt: skip
                     log(f"{shape} repeat {rep + 1}/{args.repeats} {system} {task}")
-                    out = spawn(spec)
+                    out = spawn("examples.nlg.bench", spec, spec["threads"])
                     result.update({f"{task}_{k}" if k in ("error", "wall_s", "loadavg_end") else k: v
                                    for k, v in out.items()})  # fmt: skip
                 raw[shape][system].append(result)
@@ -334,8 +319,7 @@ def _names(text: str, valid: tuple[str, ...], flag: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(run_worker(json.loads(argv[1]))))
-        return 0
+        return run_as_worker(run_worker, argv[1])
     p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
     p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (default all)")

@@ -1,0 +1,80 @@
+"""The benchmarks' workers (``examples.nlg.bench``, ``examples.cls.bench``): each system runs in
+a fresh interpreter, so its peak RSS and its threads are its own, and a crash costs one row.
+
+``spawn(module, spec)`` runs ``python -m MODULE --worker SPEC_JSON`` and returns the dict the
+worker printed as its last stdout line. The worker side, ``run_as_worker(run, spec_json)``,
+prints ``run(spec)``'s result, or ``{"error": "Type: message"}`` when ``run`` raises, so that a
+failed system's row says why (a refused precision, jittor's GPU self-check) and not only how
+the process ended; a worker killed by a signal is reported by the signal's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_REASON = 300  # characters of an error message in a table's errors column
+
+
+def error_reason(e: BaseException) -> str:
+    """``Type: message`` on one line (whitespace collapsed, at most ``MAX_REASON`` characters)."""
+    text = re.sub(r"\s+", " ", f"{type(e).__name__}: {e}").strip()
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
+def run_as_worker(run, spec_json: str) -> int:
+    """Run ``run(spec)``; print its result (a JSON-able dict) as one line and return 0, or on
+    an exception print the traceback to stderr, ``{"error": reason}`` to stdout and return 1."""
+    try:
+        out = run(json.loads(spec_json))
+    except Exception as e:  # any failure of the system under test: its row reports it
+        traceback.print_exc()
+        print(json.dumps({"error": error_reason(e)}), flush=True)
+        return 1
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def exit_reason(returncode: int) -> str:
+    """``exited with 1``, or ``killed by SIGABRT`` for a negative (signal) return code."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+def spawn(module: str, spec: dict, threads: int) -> dict:
+    """``python -m module --worker SPEC`` with ``threads`` OpenMP/MKL threads and this
+    repository on ``PYTHONPATH``; its result dict with ``wall_s`` added, or ``{"error": ...,
+    "wall_s": ...}`` naming the exit and, when the worker said it, the reason."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)], env=env,
+                          stdout=subprocess.PIPE, text=True)  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    try:
+        out = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        out = None
+    if not isinstance(out, dict):
+        out = None
+    wall = time.perf_counter() - t0
+    if proc.returncode == 0 and out is not None and "error" not in out:
+        return dict(out, wall_s=wall)
+    why = exit_reason(proc.returncode) if proc.returncode else "printed no result"
+    said = out.get("error") if out is not None else None
+    return {"error": f"worker {why}: {said}" if said else f"worker {why}", "wall_s": wall}
+
+
+__all__ = ["error_reason", "exit_reason", "run_as_worker", "spawn"]
