@@ -44,13 +44,15 @@ def run_as_worker(run, spec_json: str) -> int:
 
 
 def exit_reason(returncode: int) -> str:
-    """``exited with 1``, or ``killed by SIGABRT`` for a negative (signal) return code."""
-    if returncode >= 0:
+    """``exited with 1``; ``killed by SIGABRT`` for a signal, given as a negative return code
+    or as the shell's 128 + N (``spawn`` runs the worker under ``sh``)."""
+    number = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
+    if not number:
         return f"exited with {returncode}"
     try:
-        return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by {signal.Signals(number).name}"
     except ValueError:
-        return f"killed by signal {-returncode}"
+        return f"killed by signal {number}"
 
 
 def spawn(module: str, spec: dict, threads: int) -> dict:
@@ -60,8 +62,10 @@ def spawn(module: str, spec: dict, threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)], env=env,
-                          stdout=subprocess.PIPE, text=True)  # fmt: skip
+    # under sh, which outlives a worker killed by a signal and exits with 128 + N: a process
+    # that has imported jittor (a test, a notebook) would otherwise quit on that SIGCHLD
+    cmd = ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     try:
         out = json.loads(lines[-1]) if lines else None

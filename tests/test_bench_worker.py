@@ -27,6 +27,11 @@ if __name__ == "__main__":
 
 
 def test_spawned_workers_report_results_exceptions_and_signals(tmp_path, monkeypatch):
+    """Also with jittor imported in this process: jittor quits its process on SIGCHLD from a
+    child killed by a signal, which ``spawn``'s shell absorbs."""
+    from lora_core import get_backend
+
+    get_backend("jittor")
     (tmp_path / "fake_bench_worker.py").write_text(FAKE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     ok = spawn("fake_bench_worker", {"do": "run", "x": 21}, threads=1)
@@ -56,3 +61,5 @@ def test_reasons():
     assert exit_reason(2) == "exited with 2"
     assert exit_reason(-9) == "killed by SIGKILL"
     assert exit_reason(-200) == "killed by signal 200"
+    assert exit_reason(128 + 6) == "killed by SIGABRT"  # as sh reports it
+    assert exit_reason(128) == "exited with 128"
