@@ -6,6 +6,7 @@ import stat
 import numpy as np
 import pytest
 
+from lora_core.distilbert import PRESETS
 from lora_core.gpu_check import GPUSelfCheckError, check_results, cuda_toolkit, expected_results, self_check_inputs
 
 
@@ -55,20 +56,24 @@ def test_jittor_self_check_passes_on_cpu_and_fails_clearly_when_faked(tmp_path, 
 
 def test_every_jittor_model_entry_point_runs_the_self_check_first(tmp_path, monkeypatch):
     """A failing self-check stops each way of making a jittor model before any model work
-    (the missing checkpoint would otherwise be the error)."""
+    (the missing checkpoint would otherwise be the error): the models' constructors, and the
+    loaders before they read a checkpoint."""
     import lora_core as lc
 
     bj = lc.get_backend("jittor")
-    from backends.jittor import distilbert, inject
+    from backends.jittor import distilbert, inject, model
 
     def failing(*_, **__):
         raise GPUSelfCheckError("faked: jittor returned wrong numbers")
 
-    for module, name in ((bj, "_ensure_gpu_ok"), (inject, "ensure_gpu_ok"), (distilbert, "ensure_gpu_ok")):
+    for module, name in ((bj, "_ensure_gpu_ok"), (inject, "ensure_gpu_ok"), (distilbert, "ensure_gpu_ok"),
+                         (model, "ensure_gpu_ok")):  # fmt: skip
         monkeypatch.setattr(module, name, failing)
     cfg = lc.gpt2_config("tiny-32")
     missing = tmp_path / "no-such-checkpoint"
     calls = {
+        "GPT2LMModel": lambda: bj.GPT2LMModel(cfg),
+        "DistilBertForSequenceClassification": lambda: bj.DistilBertForSequenceClassification(PRESETS["tiny"]),
         "build_model": lambda: bj.build_model(cfg, None, lc.init_gpt2_weights(cfg)),
         "from_pretrained": lambda: bj.from_pretrained(missing),
         "distilbert_from_pretrained": lambda: bj.distilbert_from_pretrained(missing),

@@ -47,13 +47,12 @@ NAME = "jittor"
 
 def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = True):
     """A ``GPT2LMModel`` holding ``base`` (+ LoRA values); see ``lora_core.build.build_model``."""
-    _ensure_gpu_ok()
     return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
     """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.build.from_pretrained``."""
-    _ensure_gpu_ok()
+    _ensure_gpu_ok()  # before reading the checkpoint (GPT2LMModel's constructor checks too)
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
 

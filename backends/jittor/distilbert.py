@@ -144,6 +144,7 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
     """``transformers.DistilBertForSequenceClassification`` (see ``backends.torch.distilbert``)."""
 
     def __init__(self, cfg: DistilBertConfig):
+        ensure_gpu_ok()  # on a GPU: jittor's numbers checked against numpy before any model work
         self.config = cfg
         self.distilbert = DistilBertModel(cfg)
         self.pre_classifier = nn.Linear(cfg.dim, cfg.dim)
@@ -178,7 +179,7 @@ def distilbert_from_pretrained(
     see ``lora_core.distilbert.classifier_from_pretrained``."""
     from .inject import load_lora_adapter
 
-    ensure_gpu_ok()  # jittor's numbers checked against numpy before any model work on a GPU
+    ensure_gpu_ok()  # before reading the checkpoint (the model's constructor checks too)
     return classifier_from_pretrained(DistilBertForSequenceClassification, load_lora_adapter, path, adapter,
                                       num_labels, head_seed)
 

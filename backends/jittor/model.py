@@ -20,6 +20,7 @@ from lora_core.layers import decoding_weights
 from lora_core.masks import attention_bias, positions
 from lora_core.naming import matches_target
 
+from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, grow_rows, rows_dot, softmax_scaled
 from .lora import (
     LoRAEmbedding,
@@ -176,6 +177,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
     peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
 
     def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
+        ensure_gpu_ok()  # on a GPU: jittor's numbers checked against numpy before any model work
         self.config, self.lora_config = cfg, lora
         wte_lora = lora is not None and lora.r and "wte" in lora.target_modules
         self.wte = LoRAEmbedding(cfg.vocab_size, cfg.n_embd, lora.r, lora.alpha) if wte_lora \
