@@ -15,6 +15,7 @@ from lora_core.distilbert import DistilBertConfig, attention_scale, classifier_f
 
 from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, softmax_scaled
+from ._lean_layers import LayerNorm, gelu
 from .lora import TrainEvalMixin, assign_keep_grad
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
@@ -47,7 +48,7 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.dim)
-        self.LayerNorm = nn.LayerNorm(cfg.dim, eps=1e-12)
+        self.LayerNorm = LayerNorm(cfg.dim, eps=1e-12)
         self.dropout = Dropout(cfg.dropout)
 
     def execute(self, ids: jt.Var, packed: Packed | None = None) -> jt.Var:
@@ -88,15 +89,15 @@ class FFN(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     def execute(self, x: jt.Var) -> jt.Var:
-        return self.dropout(self.lin2(nn.gelu(self.lin1(x))))
+        return self.dropout(self.lin2(gelu(self.lin1(x))))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.attention = MultiHeadSelfAttention(cfg)
-        self.sa_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
+        self.sa_layer_norm = LayerNorm(cfg.dim, eps=1e-12)
         self.ffn = FFN(cfg)
-        self.output_layer_norm = nn.LayerNorm(cfg.dim, eps=1e-12)
+        self.output_layer_norm = LayerNorm(cfg.dim, eps=1e-12)
 
     def execute(self, x: jt.Var, bias: jt.Var, packed: Packed | None = None) -> jt.Var:
         x = self.sa_layer_norm(self.attention(x, bias, packed) + x)

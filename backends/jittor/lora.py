@@ -13,6 +13,8 @@ from jittor import nn
 from lora_core.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
 from lora_core.naming import LORA_MARK, adapter_names
 
+from ._lean_layers import frozen_matmul_t
+
 
 def assign_keep_grad(p: jt.Var, value: jt.Var) -> None:
     """Write ``value`` into parameter ``p`` in place, keeping whether ``p`` trains
@@ -77,7 +79,7 @@ class LoRALinear(nn.Module):
     def execute(self, x: jt.Var) -> jt.Var:
         if self.decode_weight is not None:
             return linear_decode(x, self.decode_weight, self.bias)
-        y = nn.matmul_transpose(x, self.weight)
+        y = frozen_matmul_t(x, self.weight)
         if self.bias is not None:
             y = y + self.bias
         if self.r and not self.merged:

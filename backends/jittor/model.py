@@ -22,6 +22,7 @@ from lora_core.naming import matches_target
 
 from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, grow_rows, rows_dot, softmax_scaled
+from ._lean_layers import LayerNorm, gelu_tanh
 from .lora import (
     LoRAEmbedding,
     LoRALinear,
@@ -31,8 +32,6 @@ from .lora import (
     linear_decode,
     pack_weight,
 )
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 class KVCache:
@@ -101,10 +100,6 @@ def attention(q: jt.Var, k: jt.Var, v: jt.Var, bias: jt.Var, dropout=None) -> jt
     return bmm(att.reshape(B * nh, T, L), v.reshape(B * nh, L, hs)).reshape(B, nh, T, hs)
 
 
-def gelu_tanh(x: jt.Var) -> jt.Var:
-    return 0.5 * x * (1.0 + jt.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-
-
 def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
     if lora is None or lora.r == 0 or not any(matches_target(name, t) for t in lora.target_modules):
         return LoRALinear(fin, fout)
@@ -160,9 +155,9 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.attn = Attention(cfg, lora, prefix)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.ln_2 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, lora, prefix)
 
     def execute(self, x, past, bias, unpad=None):
@@ -185,7 +180,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         self.wpe = LoRAEmbedding(cfg.n_positions, cfg.n_embd)
         self.drop = _dropout(cfg.embd_pdrop)
         self.h = nn.ModuleList([Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer)])
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.decode_head = None
 
     def decoding(self, rows: int = 80):
