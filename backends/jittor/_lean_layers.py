@@ -11,7 +11,8 @@ peak, 323 MB of them (460, 3072) tensors and 239 MB (460, 768) ones; peak RSS of
 1.86-1.93 GB. With the three below: 555 MB of intermediates, peak RSS 1.57 GB.
 
 Here each is a ``jt.Function``: the forward pass is the same expression as before (the same
-operations in the same order, so the same numbers), and the backward pass keeps the input
+operations in the same order: the same numbers for the layer alone; inside a model jittor may
+fuse across the new boundary differently, a rounding-level change), and the backward pass keeps the input
 (GELU), the input and two per-row statistics (LayerNorm) or the frozen weight (the product).
 On the CPU the GELU and LayerNorm gradients are one C++ loop over (input, incoming gradient):
 written as jittor expressions, the parts that do not depend on the incoming gradient (the
