@@ -44,6 +44,10 @@ def _gelu_tanh_expr(x: jt.Var) -> jt.Var:
     return 0.5 * x * (1.0 + jt.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
 
 
+def _gelu_erf_expr(x: jt.Var) -> jt.Var:
+    return (jt.erf(x / _SQRT2) + 1) * x * 0.5  # jittor.nn.gelu
+
+
 def _elementwise_grad(x: jt.Var, g: jt.Var, derivative: str) -> jt.Var:
     """``g * f'(x)`` in one pass on the CPU; ``derivative``: C++ statements that set ``float d``
     (``f'``) from ``float x``."""
@@ -81,7 +85,7 @@ class _GeluTanh(jt.Function):
 class _GeluErf(jt.Function):
     def execute(self, x):
         self.x = x
-        return (jt.erf(x / _SQRT2) + 1) * x * 0.5  # jittor.nn.gelu
+        return _gelu_erf_expr(x)
 
     def grad(self, g):
         x = self.x
@@ -97,7 +101,7 @@ def gelu_tanh(x: jt.Var) -> jt.Var:
 
 def gelu(x: jt.Var) -> jt.Var:
     """GELU with erf (DistilBERT's; ``jittor.nn.gelu``, torch ``F.gelu``)."""
-    return (jt.erf(x / _SQRT2) + 1) * x * 0.5 if x.is_stop_grad() else _GeluErf.apply(x)
+    return _gelu_erf_expr(x) if x.is_stop_grad() else _GeluErf.apply(x)
 
 
 _LN_GRAD = """
