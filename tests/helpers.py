@@ -61,7 +61,7 @@ def peft_c_attn(hf_model, n_layer: int, lora_weights: dict, r: int, alpha: float
 
 
 def toy_train_args(toy: dict, out_dir, steps: int, settings: list[str], *extra: str) -> list[str]:
-    """``examples.nlg.train``'s arguments for a run on ``lora_core.toy``'s data (``toy``: its
+    """``examples.nlg.train``'s arguments for a run on ``lora_core.data.toy``'s data (``toy``: its
     paths and vocabulary size) with a tiny random GPT-2; the caller adds ``--backend``."""
     return [
         "--recipe", "toy", "--train", str(toy["train"]), "--valid", str(toy["valid"]), "--random-init", "tiny",

@@ -6,7 +6,7 @@ import inspect
 
 import lora_core as lc
 
-MODULES = ("lora", "model", "optim", "train", "generate", "distributed")
+MODULES = ("lora", "gpt2", "distilbert", "optim", "train", "generate", "distributed")
 
 
 def _sig(f):

@@ -9,7 +9,7 @@ import pytest
 from helpers import MEASURED, rel_diff
 
 import lora_core as lc
-from lora_core.beam import BeamConfig, BeamSearch, banned_ngram_tokens, postprocess
+from lora_core.generate.beam import BeamConfig, BeamSearch, banned_ngram_tokens, postprocess
 
 
 def test_banned_ngrams_fairseq():
@@ -74,7 +74,7 @@ def test_batched_equals_single_and_backends_agree(backend, tiny):
 @pytest.mark.parametrize("n", [50257, 512, 30, 1031])
 def test_row_topk_exact_with_ties(n):
     """The blocked top-k equals a full sort (value descending, index ascending), ties included."""
-    from lora_core.beam import row_topk
+    from lora_core.generate.beam import row_topk
 
     rng = np.random.default_rng(n)
 
@@ -110,7 +110,7 @@ def captured_search(model, ctxs, bc, batch_size, recorder=None):
     """torch's beam search with the captured decode step, and its ``StaticDecoder`` (shapes met)."""
     from backends.torch._captured_decode import StaticDecoder
     from backends.torch.generate import _forward, _reorder, _repeat_rows
-    from lora_core.beam import beam_search_batched
+    from lora_core.generate.beam import beam_search_batched
 
     static = StaticDecoder(model, bc.max_new_tokens, recorder)
     on_device = next(model.parameters()).device.type != "cpu"
@@ -207,7 +207,7 @@ def test_captured_step_logits_match_a_full_forward(tiny):
     import torch
 
     from backends.torch._captured_decode import StaticDecoder
-    from lora_core.beam import left_pad
+    from lora_core.generate.beam import left_pad
 
     cfg, base = tiny
     bt = lc.get_backend("torch")
@@ -239,7 +239,7 @@ def test_captured_step_traces_as_one_graph(tiny):
     import torch
 
     from backends.torch._captured_decode import StaticDecoder
-    from lora_core.beam import left_pad
+    from lora_core.generate.beam import left_pad
 
     cfg, base = tiny
     bt = lc.get_backend("torch")
@@ -264,7 +264,7 @@ def test_captured_step_traces_as_one_graph(tiny):
 def test_resolve_topk_fetches_rows_whose_ties_reach_past_the_margin():
     """A device's top-m in arbitrary tie order becomes the exact (value, then id) ranking; a
     row whose m-th value still ties the k-th is ranked whole on the host."""
-    from lora_core.beam_scoring import resolve_topk, row_topk
+    from lora_core.generate.beam_scoring import resolve_topk, row_topk
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 40)).astype(np.float32)

@@ -9,11 +9,11 @@ import pytest
 from helpers import assert_close
 
 import lora_core as lc
-from lora_core import cls_data
-from lora_core.distilbert import PRESETS, init_weights
-from lora_core.dropout import NumpyDropout
-from lora_core.layers import set_dropout_source
-from lora_core.optim import AdamWConfig
+from lora_core.data import cls_data
+from lora_core.lora.dropout import NumpyDropout
+from lora_core.lora.layers import set_dropout_source
+from lora_core.models.distilbert import PRESETS, init_weights
+from lora_core.train.optim import AdamWConfig
 
 
 def test_tsv_errors_name_file_and_line(tmp_path):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import assert_close, to_numpy
 
-from lora_core import cls_data
-from lora_core.data import DataFormatError, write_jsonl_atomic
+from lora_core.data import cls_data
+from lora_core.data.nlg import DataFormatError, write_jsonl_atomic
 
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")

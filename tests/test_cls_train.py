@@ -19,12 +19,12 @@ import pytest
 from helpers import assert_close
 
 import lora_core as lc
-from lora_core.checkpoint import read_tensors
-from lora_core.cls_data import DataError
-from lora_core.data import write_jsonl_atomic
-from lora_core.recipes import CLS_RECIPES, apply_overrides
-from lora_core.train_tasks import ClassificationTask
-from lora_core.trainer import read_log, train
+from lora_core.data.cls_data import DataError
+from lora_core.data.nlg import write_jsonl_atomic
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.train.recipes import CLS_RECIPES, apply_overrides
+from lora_core.train.tasks import ClassificationTask
+from lora_core.train.trainer import read_log, train
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 64

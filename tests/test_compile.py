@@ -1,6 +1,6 @@
 """Compiled training step (torch ``set_compile``): the same updates as the eager step (numpy
 dropout masks, padded shape buckets), one compilation per bucket, the CLI switch; the bucket
-policy and padding of ``lora_core.buckets``; jittor refuses the switch.
+policy and padding of ``lora_core.train.buckets``; jittor refuses the switch.
 
 The tests compile with dynamo's ``aot_eager`` backend (the same captured graph, forward and
 backward, without inductor's C++ code generation, which takes minutes on a 2-core CPU); the
@@ -16,13 +16,13 @@ import pytest
 
 import lora_core
 from examples.nlg import train as train_cli
-from lora_core.batching import collate
-from lora_core.buckets import bucket_shape, count_bucket, length_bucket, pad_to_bucket
-from lora_core.checkpoint import read_tensors
-from lora_core.data import write_jsonl_atomic
-from lora_core.dropout import NumpyDropout
-from lora_core.recipes import TrainConfig
-from lora_core.trainer import read_log, train
+from lora_core.data.batching import collate
+from lora_core.data.nlg import write_jsonl_atomic
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.lora.dropout import NumpyDropout
+from lora_core.train.buckets import bucket_shape, count_bucket, length_bucket, pad_to_bucket
+from lora_core.train.recipes import TrainConfig
+from lora_core.train.trainer import read_log, train
 
 STEPS = 6
 CFG = TrainConfig(batch_size=4, grad_accum=2, lr=1e-2, warmup=0, lora_r=4, lora_dropout=0.2, dropout_masks="numpy",

@@ -13,13 +13,13 @@ import pytest
 
 import lora_core as lc
 from examples.nlg import train as train_cli
-from lora_core.checkpoint import CheckpointError, read_tensors, save_model
-from lora_core.data import DataFormatError, write_jsonl_atomic
-from lora_core.decode import read_beam_jsonl
-from lora_core.naming import TRANSPOSED
-from lora_core.optim import pack_state
-from lora_core.run_dir import read_checkpoint, resume_point, write_checkpoint
-from lora_core.train_tasks import GPT2AdapterFiles
+from lora_core.data.nlg import DataFormatError, write_jsonl_atomic
+from lora_core.formats.checkpoint import CheckpointError, read_tensors, save_model
+from lora_core.generate.decode import read_beam_jsonl
+from lora_core.models.gpt2 import TRANSPOSED
+from lora_core.train.optim import pack_state
+from lora_core.train.run_dir import read_checkpoint, resume_point, write_checkpoint
+from lora_core.train.tasks import GPT2AdapterFiles
 
 CFG, LORA = lc.gpt2_config("tiny-32"), lc.LoRAConfig(r=2)
 ADAPTER = GPT2AdapterFiles(CFG, LORA)
@@ -79,7 +79,7 @@ def _base_bin(legacy: bool):
 
 def _checkpoint(d: Path):
     """A run folder with one checkpoint written as the trainer writes it (no backend needed)."""
-    shapes = lc.checkpoint.adapter_shapes(CFG, LORA)
+    shapes = lc.formats.checkpoint.adapter_shapes(CFG, LORA)
     moments = {n: np.full(s, 0.5, np.float32) for n, s in shapes.items()}
     meta = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "examples_seen": 12, "tokens_seen": 99}
     d.mkdir()
@@ -240,7 +240,7 @@ def test_safetensors_read_as_copy_on_write_memory_maps(tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from lora_core.tensor_files import read_safetensors
+    from lora_core.formats.tensor_files import read_safetensors
 
     path = tmp_path / "m.safetensors"
     tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "t": np.array(3, dtype=np.int64),

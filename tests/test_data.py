@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_core.convert import convert, convert_dart, convert_e2e, convert_webnlg
-from lora_core.data import (
+from lora_core.data.convert import convert, convert_dart, convert_e2e, convert_webnlg
+from lora_core.data.nlg import (
     DataFormatError,
     group_references,
     read_encoded,
@@ -17,8 +17,8 @@ from lora_core.data import (
     read_jsonl,
     write_jsonl_atomic,
 )
-from lora_core.tokenizer import load_tokenizer
-from lora_core.toy import make_toy_dataset
+from lora_core.data.tokenizer import load_tokenizer
+from lora_core.data.toy import make_toy_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,7 @@ def test_toy_dataset(tmp_path):
         for text in (r["context"], " " + r["completion"]):
             assert tok.decode(tok.encode(text)) == text
     # same files byte for byte in a second run, in another process (other hash seeds)
-    code = f"from lora_core.toy import make_toy_dataset; make_toy_dataset({str(tmp_path / 'b')!r})"
+    code = f"from lora_core.data.toy import make_toy_dataset; make_toy_dataset({str(tmp_path / 'b')!r})"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
     for name, p in paths.items():
         assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes(), name

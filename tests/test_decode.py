@@ -7,8 +7,9 @@ import pytest
 
 from examples.nlg import decode as decode_cli
 from examples.nlg import prepare as prepare_cli
-from lora_core.data import DataFormatError, ReferenceGroup, read_formatted, write_jsonl_atomic
-from lora_core.decode import (
+from lora_core.data.nlg import DataFormatError, ReferenceGroup, read_formatted, write_jsonl_atomic
+from lora_core.data.tokenizer import load_tokenizer
+from lora_core.generate.decode import (
     clean_text,
     cut_at_stop,
     decode_predictions,
@@ -19,7 +20,6 @@ from lora_core.decode import (
     write_e2e_files,
     write_multi_ref_files,
 )
-from lora_core.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,8 @@ def read_e2e_refs(path):
 
 def test_e2e_end_to_end(shared_dir, gpt2, tmp_path):
     """Shared E2E test (630 MRs): oracle predictions (each MR's first reference) through the whole path."""
-    from lora_core.convert import convert_e2e
-    from lora_core.data import group_references
+    from lora_core.data.convert import convert_e2e
+    from lora_core.data.nlg import group_references
 
     test = shared_dir / "data/e2e/test.txt"
     records = convert_e2e(test)
@@ -160,7 +160,7 @@ def test_filters():
 @pytest.mark.parametrize("name, n_inputs, n_refs", [("webnlg", 1862, 8), ("dart", 4159, 35)])
 def test_multi_ref_end_to_end(name, n_inputs, n_refs, shared_dir, gpt2, tmp_path):
     """Shared WebNLG/DART test sets through make_eval_files with the paper's --tokenize --lower."""
-    from lora_core.data import group_references
+    from lora_core.data.nlg import group_references
 
     test = shared_dir / f"data/{name}/test_formatted.jsonl"
     records = read_formatted(test, allow_empty=True)

@@ -14,13 +14,13 @@ import pytest
 from helpers import MEASURED
 
 import lora_core as lc
-from lora_core.batching import collate
-from lora_core.checkpoint import read_tensors
+from lora_core.data.batching import collate
 from lora_core.device import parse_device, resolve_device
-from lora_core.dropout import NumpyDropout
-from lora_core.optim import AdamWConfig
-from lora_core.recipes import TrainConfig
-from lora_core.trainer import read_log, train
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.lora.dropout import NumpyDropout
+from lora_core.train.optim import AdamWConfig
+from lora_core.train.recipes import TrainConfig
+from lora_core.train.trainer import read_log, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def _cli(args):
 
 def test_cli_options_do_not_block_resume(tmp_path):
     """--device and --grad-checkpoint change no result: a resume may change them; --precision does."""
-    from lora_core.data import write_jsonl_atomic
+    from lora_core.data.nlg import write_jsonl_atomic
 
     data = tmp_path / "train.jsonl"
     write_jsonl_atomic(data, [{"context": c, "completion": t} for c, t in _pairs()])
@@ -211,7 +211,7 @@ def test_cuda_beam_scores_on_the_device_and_decodes_what_the_cpu_decodes():
     """On a GPU, beam search ranks each step on the device (scoring "auto") and replays a decode
     step captured once per shape (decode_step "auto"), and gives the CPU's host-scored eager
     beams; so does the eager step on the GPU."""
-    from lora_core.beam import BeamConfig
+    from lora_core.generate.beam import BeamConfig
 
     bt = lc.get_backend("torch")
     cfg = lc.gpt2_config("tiny")

@@ -13,7 +13,7 @@ import torch
 from helpers import assert_close, to_numpy
 
 import lora_core as lc
-from lora_core.distilbert import MLM_HEAD_KEYS, load_distilbert_checkpoint
+from lora_core.models.distilbert import MLM_HEAD_KEYS, load_distilbert_checkpoint
 
 peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")
@@ -167,7 +167,7 @@ def test_strict_loading(hf_dirs, tmp_path):
 
 
 def test_pack_indices():
-    from lora_core.distilbert import pack_indices
+    from lora_core.models.distilbert import pack_indices
 
     token, pad, cls = pack_indices(np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
     assert token.tolist() == [0, 1, 2, 4, 5, 6, 7, 8] and cls.tolist() == [0, 3, 7]

@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 from helpers import assert_close, toy_train_args
 
-from lora_core.checkpoint import read_tensors
-from lora_core.convert import convert
-from lora_core.data import read_jsonl, write_jsonl_atomic
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset
-from lora_core.trainer import LATEST_FILE, read_log
+from lora_core.data.convert import convert
+from lora_core.data.nlg import read_jsonl, write_jsonl_atomic
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import make_toy_dataset
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.train.trainer import LATEST_FILE, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL = 20, 13

@@ -1,4 +1,4 @@
-"""The engine-independent parts of data parallelism (``lora_core.distributed``): who a process
+"""The engine-independent parts of data parallelism (``lora_core.train.distributed``): who a process
 is, how a global batch is cut, which dropout rows a rank gets, agreement between ranks and the
 merge of beam outputs. Several ranks are simulated in one process with a fake all-reduce."""
 
@@ -10,8 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from lora_core.batching import collate
-from lora_core.distributed import (
+from lora_core.data.batching import collate
+from lora_core.lora.dropout import NumpyDropout
+from lora_core.train.distributed import (
     Comm,
     DistributedError,
     ShardedDropout,
@@ -25,7 +26,6 @@ from lora_core.distributed import (
     shard_step,
     unpack_outputs,
 )
-from lora_core.dropout import NumpyDropout
 
 
 def _pairs(n=11, seed=0):

@@ -6,8 +6,8 @@ import stat
 import numpy as np
 import pytest
 
-from lora_core.distilbert import PRESETS
 from lora_core.gpu_check import GPUSelfCheckError, check_results, cuda_toolkit, expected_results, self_check_inputs
+from lora_core.models.distilbert import PRESETS
 
 
 def test_check_results_accepts_numpy_and_names_what_is_wrong():

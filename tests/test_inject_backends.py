@@ -14,8 +14,8 @@ import torch
 from helpers import assert_close, to_numpy
 
 import lora_core as lc
-from lora_core import reference as ref
-from lora_core.targeting import LoRATargetConfig
+from lora_core.lora import reference as ref
+from lora_core.lora.targeting import LoRATargetConfig
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import torch
 from helpers import assert_close
 
 from lora_core import CheckpointError, LoRATargetConfig, TargetError
-from lora_core.peft_format import PEFT_WEIGHTS
+from lora_core.formats.peft_format import PEFT_WEIGHTS
 
 peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")

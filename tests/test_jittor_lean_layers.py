@@ -112,7 +112,7 @@ def test_lora_gradients_stay_finite_with_large_mlp_preactivations():
     lora = lc.LoRAConfig(r=4, alpha=32)
     lw = lc.init_lora_weights(cfg, lora, b_std=0.05)
     rng = np.random.default_rng(0)
-    from lora_core.batching import collate
+    from lora_core.data.batching import collate
 
     batch = collate([(list(rng.integers(1, 999, 12)), list(rng.integers(1, 999, 20)) + [0]) for _ in range(3)])
     grads = []

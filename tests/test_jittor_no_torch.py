@@ -18,8 +18,8 @@ SCRIPT = textwrap.dedent("""
     sys.meta_path.insert(0, Block())
     import numpy as np
     import lora_core as lc
-    from lora_core.batching import collate
-    from lora_core.beam import BeamConfig
+    from lora_core.data.batching import collate
+    from lora_core.generate.beam import BeamConfig
     bj = lc.get_backend("jittor")
     cfg, lora = lc.gpt2_config("tiny-32"), lc.LoRAConfig(r=2, alpha=4)
     out = sys.argv[1]
@@ -46,7 +46,7 @@ def test_jittor_backend_runs_without_torch(tmp_path):
     import lora_core as lc
     cfg = lc.gpt2_config("tiny-32")
     (tmp_path / "bin").mkdir()
-    torch.save({k: torch.from_numpy(v.T.copy() if k.endswith(lc.naming.TRANSPOSED) else v)
+    torch.save({k: torch.from_numpy(v.T.copy() if k.endswith(lc.models.gpt2.TRANSPOSED) else v)
                 for k, v in lc.init_gpt2_weights(cfg).items()}, tmp_path / "bin" / "pytorch_model.bin")
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)

@@ -12,9 +12,9 @@ import pytest
 from helpers import assert_close, to_numpy
 
 import lora_core as lc
-from lora_core import reference as ref
-from lora_core.batching import collate
-from lora_core.optim import AdamWConfig, adamw_reference
+from lora_core.data.batching import collate
+from lora_core.lora import reference as ref
+from lora_core.train.optim import AdamWConfig, adamw_reference
 
 LORA = lc.LoRAConfig(r=4, alpha=32, target_modules=("c_attn", "attn.c_proj", "mlp.c_fc"), bias="lora_only")
 
@@ -174,7 +174,7 @@ def test_only_lora_and_chosen_biases_train(backend, setup, bias):
 
 @pytest.mark.parametrize("kind", ["linear", "merged_qv", "merged_qkv", "embedding"])
 def test_lora_layer_vs_numpy_reference(backend, kind):
-    """Outputs and gradients (x, A, B) of each LoRA layer against ``lora_core.reference``."""
+    """Outputs and gradients (x, A, B) of each LoRA layer against ``lora_core.lora.reference``."""
     rng = np.random.default_rng(7)
     fin, fout, r, alpha = 12, 18, 3, 6.0
     enable = {"linear": None, "merged_qv": (True, False, True), "merged_qkv": (True, True, True)}.get(kind)
@@ -254,7 +254,7 @@ def _merged_weight(backend, layer):
 def test_dropout_parity_mode_shared_numpy_masks(backends, setup):
     """LoRA dropout 0.1 with masks from one numpy stream: loss sequences still agree (1e-4),
     and differ from the dropout-free run (the masks do act)."""
-    from lora_core.dropout import NumpyDropout
+    from lora_core.lora.dropout import NumpyDropout
 
     (bt, bj) = backends
     cfg, base, lw, batch = setup

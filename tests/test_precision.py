@@ -9,15 +9,15 @@ import pytest
 from helpers import MEASURED
 
 import lora_core as lc
-from lora_core.beam import BeamConfig
-from lora_core.checkpoint import read_tensors
-from lora_core.convert import convert
-from lora_core.optim import AdamWConfig
-from lora_core.precision import DynamicLossScale, LossScaleConfig, check_precision
-from lora_core.recipes import TrainConfig, apply_overrides
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset
-from lora_core.trainer import Trainer, read_log, train
+from lora_core.data.convert import convert
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import make_toy_dataset
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.generate.beam import BeamConfig
+from lora_core.train.optim import AdamWConfig
+from lora_core.train.precision import DynamicLossScale, LossScaleConfig, check_precision
+from lora_core.train.recipes import TrainConfig, apply_overrides
+from lora_core.train.trainer import Trainer, read_log, train
 
 # Measured (torch 2.13 CPU, tiny preset, toy data, batch 8, lr 1e-2, 200 steps, no dropout):
 # max over steps of |loss - loss_fp32| / loss_fp32 was 5.5e-4 for bf16 and 9.2e-5 for fp16.

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import lora_core as lc
-from lora_core.checkpoint import CheckpointError, read_tensors
+from lora_core.formats.checkpoint import CheckpointError, read_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_lora_core_loads_no_framework():
-    code = ("import sys, lora_core, lora_core.data, lora_core.tokenizer, lora_core.decode, lora_core.batching;"
+    code = ("import sys, lora_core, lora_core.data.nlg, lora_core.data.tokenizer, lora_core.generate.decode, lora_core.data.batching;"
             "bad = [m for m in ('torch', 'jittor') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -73,7 +73,7 @@ def _hf_style_state(cfg, prefix="transformer."):
     w = lc.init_gpt2_weights(cfg, seed=1)
     out = {}
     for k, v in w.items():
-        out[prefix + k] = v.T.copy() if k.endswith(lc.naming.TRANSPOSED) else v
+        out[prefix + k] = v.T.copy() if k.endswith(lc.models.gpt2.TRANSPOSED) else v
     for i in range(cfg.n_layer):
         out[f"{prefix}h.{i}.attn.bias"] = np.tril(np.ones((cfg.n_positions, cfg.n_positions), np.float32))[None, None]
     return w, out
@@ -146,9 +146,9 @@ def test_adapter_without_base_is_an_error(tmp_path):
     cfg, lora = lc.gpt2_config("tiny"), lc.LoRAConfig(r=4)
     lc.save_adapter(tmp_path / "ad", cfg, lora, lc.init_lora_weights(cfg, lora))
     with pytest.raises(CheckpointError, match="without its base model"):
-        lc.checkpoint.resolve_pretrained(None, adapter=tmp_path / "ad")
+        lc.formats.checkpoint.resolve_pretrained(None, adapter=tmp_path / "ad")
     with pytest.raises(CheckpointError, match="needs its base model"):
-        lc.checkpoint.full_weights(cfg, lora, None)
+        lc.formats.checkpoint.full_weights(cfg, lora, None)
 
 
 def test_adapter_on_wrong_base_is_an_error(tmp_path):
@@ -157,7 +157,7 @@ def test_adapter_on_wrong_base_is_an_error(tmp_path):
     other = lc.gpt2_config("tiny", n_layer=3)
     lc.save_model(tmp_path / "base", other, lc.init_gpt2_weights(other))
     with pytest.raises(CheckpointError, match="adapter was trained on"):
-        lc.checkpoint.resolve_pretrained(tmp_path / "base", adapter=tmp_path / "ad")
+        lc.formats.checkpoint.resolve_pretrained(tmp_path / "base", adapter=tmp_path / "ad")
 
 
 def test_adapter_with_missing_tensor_is_refused(tmp_path):

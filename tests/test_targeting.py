@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lora_core import reference as ref
-from lora_core.config import LoRAConfig
-from lora_core.peft_format import config_from_peft, config_to_peft, peft_key, sliced_as_whole
-from lora_core.targeting import LoRATargetConfig, TargetError, init_lora_arrays, plan_injection, trainable_names
+from lora_core.formats.peft_format import config_from_peft, config_to_peft, peft_key, sliced_as_whole
+from lora_core.lora import reference as ref
+from lora_core.lora.targeting import LoRATargetConfig, TargetError, init_lora_arrays, plan_injection, trainable_names
+from lora_core.models.gpt2 import LoRAConfig
 
 # module name -> (kind, in, out) or type name: a DistilBERT-like layout
 MODULES = {

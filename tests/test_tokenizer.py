@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import pytest
 
-from lora_core.convert import convert_e2e
-from lora_core.data import read_formatted
-from lora_core.tokenizer import encode_example, encode_file, load_tokenizer
+from lora_core.data.convert import convert_e2e
+from lora_core.data.nlg import read_formatted
+from lora_core.data.tokenizer import encode_example, encode_file, load_tokenizer
 
 FILES = [
     "e2e/train.txt", "e2e/valid.txt", "e2e/test.txt",

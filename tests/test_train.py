@@ -17,15 +17,15 @@ from helpers import toy_train_args
 import lora_core
 from examples.nlg import plot as plot_cli
 from examples.nlg import train as train_cli
-from lora_core.batching import collate
-from lora_core.checkpoint import read_tensors
-from lora_core.convert import convert
-from lora_core.data import write_jsonl_atomic
-from lora_core.recipes import RECIPES, TrainConfig, apply_overrides, get_recipe
-from lora_core.schedule import lr_at
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset
-from lora_core.trainer import (
+from lora_core.data.batching import collate
+from lora_core.data.convert import convert
+from lora_core.data.nlg import write_jsonl_atomic
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import make_toy_dataset
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.train.recipes import RECIPES, TrainConfig, apply_overrides, get_recipe
+from lora_core.train.schedule import lr_at
+from lora_core.train.trainer import (
     LATEST_FILE,
     epoch_batches,
     find_checkpoint,
@@ -191,7 +191,7 @@ def test_parity_mode_gives_both_backends_the_same_masks(toy, tmp_path):
     names = {n.strip() for n in os.environ.get("LORA_TEST_BACKENDS", "torch,jittor").split(",")}
     if not {"torch", "jittor"} <= names:
         pytest.skip("compares torch with jittor: LORA_TEST_BACKENDS names only " + ",".join(sorted(names)))
-    from lora_core.data import read_encoded
+    from lora_core.data.nlg import read_encoded
 
     cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["dropout_masks=numpy", "eval_every=0", "save_every=0"])
     tr = read_encoded(toy["train"])
@@ -277,7 +277,7 @@ def test_cli_init_checkpoint(backend, toy, tmp_path):
 
 
 def test_half_written_checkpoint_is_ignored(backend, toy, tmp_path):
-    from lora_core.data import read_encoded
+    from lora_core.data.nlg import read_encoded
 
     cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=3", "eval_every=0"])
     tr, va = read_encoded(toy["train"]), read_encoded(toy["valid"])
@@ -334,7 +334,7 @@ def test_run_folder_of_an_older_version_resumes(toy, tmp_path):
     """A train_config.json written before the task and precision keys existed (an LM run in
     fp32) resumes; a real difference is still refused."""
 
-    from lora_core.data import read_encoded
+    from lora_core.data.nlg import read_encoded
 
     be = lora_core.get_backend("torch")
     cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=2", "eval_every=0"])

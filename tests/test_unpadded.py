@@ -11,8 +11,8 @@ import torch
 from helpers import assert_close, peft_c_attn, to_numpy
 
 import lora_core as lc
-from lora_core.batching import collate
-from lora_core.optim import AdamWConfig
+from lora_core.data.batching import collate
+from lora_core.train.optim import AdamWConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -12,7 +12,7 @@ from ._env import import_jittor as _import_jittor
 _configure()
 _import_jittor()
 
-from lora_core import build as _build
+from lora_core.models import build as _build
 
 from ._gpu_check import ensure_gpu_ok as _ensure_gpu_ok
 from .compile import set_compile
@@ -25,6 +25,7 @@ from .distributed import (
     shutdown_process_group,
 )
 from .generate import beam_search
+from .gpt2 import GPT2LMModel, KVCache, set_grad_checkpoint
 from .lora import (
     LoRAEmbedding,
     LoRALinear,
@@ -37,7 +38,6 @@ from .lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from .model import GPT2LMModel, KVCache, set_grad_checkpoint
 from .optim import AdamW
 from .precision import set_precision
 from .train import eval_nll, lm_loss, manual_seed, train_step
@@ -46,12 +46,12 @@ NAME = "jittor"
 
 
 def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = True):
-    """A ``GPT2LMModel`` holding ``base`` (+ LoRA values); see ``lora_core.build.build_model``."""
+    """A ``GPT2LMModel`` holding ``base`` (+ LoRA values); see ``lora_core.models.build.build_model``."""
     return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
-    """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.build.from_pretrained``."""
+    """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.models.build.from_pretrained``."""
     _ensure_gpu_ok()  # before reading the checkpoint (GPT2LMModel's constructor checks too)
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
@@ -67,7 +67,7 @@ __all__ = [
     "peak_gpu_mb", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",
 ]
 
-# LoRA for any model (lora_core.targeting / injection / peft_format)
+# LoRA for any model (lora_core.lora.targeting / injection / peft_format)
 from .classify import cls_eval, cls_loss, cls_predict, cls_train_step  # noqa: E402
 from .distilbert import DistilBertForSequenceClassification, distilbert_from_pretrained  # noqa: E402
 from .inject import inject_lora, load_lora_adapter, mark_only_lora_trainable, save_lora_adapter  # noqa: E402

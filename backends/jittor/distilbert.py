@@ -1,6 +1,6 @@
 """DistilBERT for sequence classification in Jittor; contract in ``backends.torch.distilbert``,
-spec in ``lora_core.distilbert``. ``train()``/``eval()`` only switch dropout (as in
-``backends.jittor.model``): trainability belongs to ``mark_only_lora_trainable``."""
+spec in ``lora_core.models.distilbert``. ``train()``/``eval()`` only switch dropout (as in
+``backends.jittor.gpt2``): trainability belongs to ``mark_only_lora_trainable``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jittor as jt
 import numpy as np
 from jittor import nn
 
-from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
+from lora_core.formats.checkpoint import check_tensors
+from lora_core.models.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
 from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, softmax_scaled
@@ -33,7 +33,7 @@ class Dropout(nn.Dropout):
 
 
 class Packed:
-    """Index Vars of the real tokens of a padded batch (``lora_core.distilbert.pack_indices``)."""
+    """Index Vars of the real tokens of a padded batch (``lora_core.models.distilbert.pack_indices``)."""
 
     def __init__(self, token_index, pad_index, cls_index):
         self.token_index, self.pad_index, self.cls_index = (jt.array(a) for a in (token_index, pad_index, cls_index))
@@ -177,7 +177,7 @@ def distilbert_from_pretrained(
 ):
     """A DistilBERT classifier from HF weights (a checkpoint without a classification head
     gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);
-    see ``lora_core.distilbert.classifier_from_pretrained``."""
+    see ``lora_core.models.distilbert.classifier_from_pretrained``."""
     from .inject import load_lora_adapter
 
     ensure_gpu_ok()  # before reading the checkpoint (the model's constructor checks too)

@@ -1,12 +1,12 @@
 """Data parallelism for Jittor: ``mpirun`` and jittor's MPI ops (``Var.mpi_all_reduce``; NCCL
-on GPUs); contract in ``backends.torch.distributed``, semantics in ``lora_core.distributed``."""
+on GPUs); contract in ``backends.torch.distributed``, semantics in ``lora_core.train.distributed``."""
 
 from __future__ import annotations
 
 import jittor as jt
 import numpy as np
 
-from lora_core.distributed import DistributedError, World, pick_loss
+from lora_core.train.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
 from .lora import assign_keep_grad, trainable_parameters

@@ -1,15 +1,15 @@
 """Batched beam search with KV cache for Jittor: tensor primitives for
-``lora_core.beam.run_beam_search``; contract in ``backends.torch.generate``."""
+``lora_core.generate.beam.run_beam_search``; contract in ``backends.torch.generate``."""
 
 from __future__ import annotations
 
 import jittor as jt
 
-from lora_core.beam import BeamConfig, beam_search_batched
-from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
-from lora_core.static_cache import decode_step_captured
+from lora_core.generate.beam import BeamConfig, beam_search_batched
+from lora_core.generate.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
+from lora_core.generate.static_cache import decode_step_captured
 
-from .model import KVCache
+from .gpt2 import KVCache
 
 
 class DeviceLogits:

@@ -1,5 +1,5 @@
 """LoRA for any ``jittor.nn.Module``: injection, the trainable set and adapter files; contract
-and docs as in ``backends.torch.inject`` (spec in ``lora_core.targeting`` / ``injection`` /
+and docs as in ``backends.torch.inject`` (spec in ``lora_core.lora.targeting`` / ``injection`` /
 ``adapter_io``). The layers are ``backends.jittor.lora``'s, holding the replaced module's
 own weight and bias Vars.
 """
@@ -12,9 +12,9 @@ import jittor as jt
 import numpy as np
 from jittor import nn
 
-from lora_core import adapter_io
-from lora_core.injection import describe_module, inject, require_injection
-from lora_core.targeting import LayerPlan
+from lora_core.formats import adapter_io
+from lora_core.lora.injection import describe_module, inject, require_injection
+from lora_core.lora.targeting import LayerPlan
 
 from ._gpu_check import ensure_gpu_ok
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
@@ -61,7 +61,7 @@ def _plain_kind(m: nn.Module) -> str | None:
 
 
 def _describe(m: nn.Module, adapted_ok: bool = False):
-    """``lora_core.injection.describe_module`` with this backend's layer classes."""
+    """``lora_core.lora.injection.describe_module`` with this backend's layer classes."""
     return describe_module(m, _lora_kind, _plain_kind, adapted_ok)
 
 

@@ -1,4 +1,4 @@
-"""LoRA layers for Jittor; contract and math as in ``backends.torch.lora`` / ``lora_core.reference``.
+"""LoRA layers for Jittor; contract and math as in ``backends.torch.lora`` / ``lora_core.lora.reference``.
 
 Jittor idioms: ``execute``; weights change through ``Var.update`` (no ``.data`` writes);
 trainability is ``Var.requires_grad`` (``stop_grad``), owned by
@@ -10,8 +10,8 @@ from __future__ import annotations
 import jittor as jt
 from jittor import nn
 
-from lora_core.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
-from lora_core.naming import LORA_MARK, adapter_names
+from lora_core.lora.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
+from lora_core.lora.naming import LORA_MARK, adapter_names
 
 from ._lean_layers import frozen_matmul_t
 
@@ -54,7 +54,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / r if r else 0.0
         self.p = dropout
         self.lora_dropout = _dropout(dropout)
-        self.mask_source = None  # a lora_core.dropout.NumpyDropout in parity mode
+        self.mask_source = None  # a lora_core.lora.dropout.NumpyDropout in parity mode
         self.merged = False
         self.decode_weight = None  # set by GPT2LMModel.decoding(): merged weight, (in, out)
         if r:

@@ -1,4 +1,4 @@
-"""AdamW of the LoRA paper's code in Jittor; math in ``lora_core.optim``, contract in
+"""AdamW of the LoRA paper's code in Jittor; math in ``lora_core.train.optim``, contract in
 ``backends.torch.optim`` (loss scaling included). Gradients come from ``jt.grad`` and are
 accumulated here."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import jittor as jt
 import numpy as np
 
-from lora_core.optim import AdamWConfig, pack_state, step_size, unpack_state
-from lora_core.precision import DynamicLossScale
+from lora_core.train.optim import AdamWConfig, pack_state, step_size, unpack_state
+from lora_core.train.precision import DynamicLossScale
 
 from .lora import assign_keep_grad
 
@@ -93,7 +93,7 @@ class AdamW:
         return {n: g.numpy().copy() for n, g in self._grads().items()}
 
     def state_numpy(self) -> dict:
-        """Moments and step count as one flat numpy dict (``lora_core.optim.pack_state``)."""
+        """Moments and step count as one flat numpy dict (``lora_core.train.optim.pack_state``)."""
         state = pack_state({n: t.numpy().copy() for n, t in self.m.items()},
                            {n: t.numpy().copy() for n, t in self.v.items()}, self.t)
         return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}

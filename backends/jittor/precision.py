@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jittor as jt
 
-from lora_core.precision import check_precision
+from lora_core.train.precision import check_precision
 
 _CPU_REASON = {
     "bf16": "jittor 1.3.11's bfloat16 matmul on the CPU returns wrong numbers (0.63 relative error against "

@@ -1,7 +1,7 @@
 """Beam search's decode step on a preallocated cache, captured once per shape (CUDA graphs).
 
 Used by ``backends.torch.generate.beam_search(..., decode_step="captured")`` (the default on
-a GPU). The layout is ``lora_core.static_cache``'s: the prompt's keys and values once per
+a GPU). The layout is ``lora_core.generate.static_cache``'s: the prompt's keys and values once per
 input, padded to a multiple of 32 positions, and the generated positions per beam in
 buffers of ``max_new_tokens`` slots, reordered in place and written at the step's slot.
 Every tensor a step reads or writes then keeps its shape and address for the whole batch,
@@ -22,11 +22,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lora_core.beam import compose_rows
-from lora_core.masks import MASK_VALUE
-from lora_core.static_cache import check_room, prompt_capacity, prompt_layout
+from lora_core.generate.beam import compose_rows
+from lora_core.generate.masks import MASK_VALUE
+from lora_core.generate.static_cache import check_room, prompt_capacity, prompt_layout
 
-from .model import attend_shared_prompt
+from .gpt2 import attend_shared_prompt
 from .precision import DTYPES
 
 

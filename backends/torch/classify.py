@@ -1,7 +1,7 @@
 """Sequence-classification loss, training step and prediction for PyTorch.
 
 Contract (same in every backend): a batch is a dict of numpy arrays ``input_ids`` (B, T),
-``attention_mask`` (B, T) and, for training, ``labels`` (B,) (``lora_core.cls_data``);
+``attention_mask`` (B, T) and, for training, ``labels`` (B,) (``lora_core.data.cls_data``);
 ``cls_loss(model, batch) -> scalar`` (mean cross-entropy); ``cls_train_step(model,
 optimizer, micro_batches, lr, max_grad_norm) -> dict`` (as ``train_step``: gradient
 accumulation divides each micro-batch loss by their number); ``cls_predict(model, batch)

@@ -1,5 +1,5 @@
 """Captured training step for PyTorch: ``torch.compile`` of the per-micro-batch forward pass
-and loss, on shapes padded to the buckets of ``lora_core.buckets`` (so they repeat).
+and loss, on shapes padded to the buckets of ``lora_core.train.buckets`` (so they repeat).
 
 Contract (same in every backend): ``set_compile(model, enabled=True)``; with it,
 ``train_step`` runs each micro-batch's forward pass and loss through one compiled graph per
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
-from lora_core.buckets import bucket_shape, pad_to_bucket
+from lora_core.train.buckets import bucket_shape, pad_to_bucket
 
 from .lora import LoRALinear
 from .precision import autocast
@@ -107,7 +107,7 @@ def _padded_mask(mask, rows: int, dev) -> torch.Tensor:
 
 def set_compile(model, enabled: bool = True, backend: str = "inductor") -> None:
     """Run ``train_step``'s forward passes and loss through ``torch.compile`` (one graph per
-    shape bucket, ``lora_core.buckets``); ``backend``: the dynamo backend (``aot_eager``
+    shape bucket, ``lora_core.train.buckets``); ``backend``: the dynamo backend (``aot_eager``
     compiles fast, for tests). The same updates as eager up to float rounding."""
     model.compiled_loss = CompiledLoss(backend) if enabled else None
 

@@ -1,5 +1,5 @@
 """DistilBERT for sequence classification in PyTorch, module names of ``transformers``'
-``DistilBertForSequenceClassification`` (spec: ``lora_core.distilbert``).
+``DistilBertForSequenceClassification`` (spec: ``lora_core.models.distilbert``).
 
 Contract (same in every backend): ``DistilBertForSequenceClassification(cfg)``;
 ``model(input_ids, attention_mask=None) -> logits`` (B, num_labels); ``attention_mask``
@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_core.checkpoint import check_tensors
-from lora_core.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
+from lora_core.formats.checkpoint import check_tensors
+from lora_core.models.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
 
 class Dropout(nn.Dropout):
     """``nn.Dropout``; in parity mode (``set_dropout_source``) its masks come from a shared
-    numpy stream (``lora_core.dropout.NumpyDropout``), so both backends drop the same units."""
+    numpy stream (``lora_core.lora.dropout.NumpyDropout``), so both backends drop the same units."""
 
     mask_source = None
 
@@ -36,7 +36,7 @@ class Dropout(nn.Dropout):
 
 
 class Packed:
-    """Index tensors of the real tokens of a padded batch (``lora_core.distilbert.pack_indices``)."""
+    """Index tensors of the real tokens of a padded batch (``lora_core.models.distilbert.pack_indices``)."""
 
     def __init__(self, token_index, pad_index, cls_index, device):
         self.token_index, self.pad_index, self.cls_index = (
@@ -188,7 +188,7 @@ def distilbert_from_pretrained(
 ):
     """A DistilBERT classifier from HF weights (a checkpoint without a classification head
     gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);
-    see ``lora_core.distilbert.classifier_from_pretrained``."""
+    see ``lora_core.models.distilbert.classifier_from_pretrained``."""
     from .inject import load_lora_adapter
 
     return classifier_from_pretrained(DistilBertForSequenceClassification, load_lora_adapter, path, adapter,

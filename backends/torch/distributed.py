@@ -1,5 +1,5 @@
 """Data parallelism for PyTorch: ``torch.distributed`` (gloo on CPU, NCCL on GPUs) and
-``DistributedDataParallel``; the semantics are documented in ``lora_core.distributed``.
+``DistributedDataParallel``; the semantics are documented in ``lora_core.train.distributed``.
 
 Contract (same in every backend): ``init_process_group(world, timeout_s)``;
 ``all_reduce_sum(x: np.ndarray) -> np.ndarray``; ``data_parallel(model, loss="lm") -> wrapper``
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lora_core.distributed import DistributedError, World, pick_loss
+from lora_core.train.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
 from .precision import autocast

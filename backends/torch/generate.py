@@ -1,5 +1,5 @@
 """Batched beam search with KV cache for PyTorch: the tensor primitives for
-``lora_core.beam.run_beam_search`` (all bookkeeping lives there).
+``lora_core.generate.beam.run_beam_search`` (all bookkeeping lives there).
 
 Contract (same in every backend): ``beam_search(model, contexts, cfg, batch_size=8,
 progress=False, scoring="auto", decode_step="auto") -> list[list[int]]`` (generated tokens
@@ -12,18 +12,18 @@ import contextlib
 
 import torch
 
-from lora_core.beam import BeamConfig, beam_search_batched
-from lora_core.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
-from lora_core.static_cache import decode_step_captured
+from lora_core.generate.beam import BeamConfig, beam_search_batched
+from lora_core.generate.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
+from lora_core.generate.static_cache import decode_step_captured
 
 from ._captured_decode import StaticDecoder, StaticKVCache
-from .model import KVCache
+from .gpt2 import KVCache
 from .precision import autocast
 
 
 class DeviceLogits:
     """Next-token logits (rows, V) left on the model's device for device scoring
-    (``lora_core.beam_scoring``): post-processing, log-sum-exp and each row's top
+    (``lora_core.generate.beam_scoring``): post-processing, log-sum-exp and each row's top
     ``kk + TIE_MARGIN`` happen there; only those come to the host."""
 
     def __init__(self, logits: torch.Tensor):
@@ -72,7 +72,7 @@ def _reorder(cache, rows):
 def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_size: int = 8,
                 progress: bool = False, scoring: str = "auto", decode_step: str = "auto") -> list:
     """Beam-decode every context (token ids); inputs are processed ``batch_size`` at a time.
-    ``scoring``: where each step's logits are reduced (``lora_core.beam_scoring``): "host"
+    ``scoring``: where each step's logits are reduced (``lora_core.generate.beam_scoring``): "host"
     (numpy), "device" (the model's device, only candidates to the host) or "auto" (device
     on a GPU, host on the CPU, where numpy's ranking is the faster).
     ``decode_step``: "eager" (a growing cache, the step run op by op), "captured" (a

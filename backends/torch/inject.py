@@ -1,6 +1,6 @@
 """LoRA for any ``torch.nn.Module`` (``transformers`` models included): injection, the
 trainable set and adapter files. The spec (matching, plans, formats) is in
-``lora_core.targeting``, ``lora_core.injection``, ``lora_core.adapter_io``; the layers are
+``lora_core.lora.targeting``, ``lora_core.lora.injection``, ``lora_core.formats.adapter_io``; the layers are
 ``backends.torch.lora``'s, holding the replaced module's own weight and bias parameters.
 """
 
@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lora_core import adapter_io
-from lora_core.injection import describe_module, inject, require_injection
-from lora_core.targeting import LayerPlan
+from lora_core.formats import adapter_io
+from lora_core.lora.injection import describe_module, inject, require_injection
+from lora_core.lora.targeting import LayerPlan
 
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
 
@@ -60,7 +60,7 @@ def _plain_kind(m: nn.Module) -> str | None:
 
 
 def _describe(m: nn.Module, adapted_ok: bool = False):
-    """``lora_core.injection.describe_module`` with this backend's layer classes."""
+    """``lora_core.lora.injection.describe_module`` with this backend's layer classes."""
     return describe_module(m, _lora_kind, _plain_kind, adapted_ok)
 
 
@@ -97,7 +97,7 @@ def inject_lora(model: nn.Module, config) -> list[str]:
         The adapted module names, in module order.
 
     Raises:
-        lora_core.targeting.TargetError: listing patterns that matched no module, or
+        lora_core.lora.targeting.TargetError: listing patterns that matched no module, or
             naming a target of a kind LoRA cannot adapt.
     """
     inj = inject(model, config, _describe, _replace, match_prefix="")

@@ -1,7 +1,7 @@
 """LoRA layers for PyTorch (loralib names and layouts; peft-style explicit merge).
 
-The contract (shapes, init, merge semantics) is defined in ``lora_core.naming`` and
-``lora_core.reference``; this file is its PyTorch form.
+The contract (shapes, init, merge semantics) is defined in ``lora_core.models.gpt2`` and
+``lora_core.lora.reference``; this file is its PyTorch form.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_core.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
-from lora_core.naming import LORA_MARK, adapter_names
+from lora_core.lora.layers import lora_layers, merge_lora, set_dropout_source, unmerge_lora
+from lora_core.lora.naming import LORA_MARK, adapter_names
 
 
 class LoRALinear(nn.Module):
@@ -26,7 +26,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / r if r else 0.0
         self.p = dropout
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.mask_source = None  # a lora_core.dropout.NumpyDropout in parity mode
+        self.mask_source = None  # a lora_core.lora.dropout.NumpyDropout in parity mode
         self.merged = False
         self.decode_weight = None  # set by GPT2LMModel.decoding(): merged, maybe pre-packed weight
         if r:

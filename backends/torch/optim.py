@@ -1,11 +1,11 @@
-"""AdamW of the LoRA paper's code in PyTorch; the math is documented in ``lora_core.optim``.
+"""AdamW of the LoRA paper's code in PyTorch; the math is documented in ``lora_core.train.optim``.
 
 Contract (same in every backend): ``AdamW(named_params, cfg)``; ``backward(loss, scale)``
 accumulates gradients; ``clip_grad_norm(max_norm)``; ``step(lr)`` applies one update and
 clears the gradients; ``grads_numpy()``; ``state_numpy()``/``load_state_numpy()``.
 With ``cfg.loss_scale`` (fp16): ``backward`` scales the loss by the current loss scale, the
 gradients are unscaled once before clipping or the update, and ``step`` skips an update whose
-gradients are not finite (``lora_core.precision.DynamicLossScale``; ``loss_scale`` attribute).
+gradients are not finite (``lora_core.train.precision.DynamicLossScale``; ``loss_scale`` attribute).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lora_core.optim import AdamWConfig, pack_state, step_size, unpack_state
-from lora_core.precision import DynamicLossScale
+from lora_core.train.optim import AdamWConfig, pack_state, step_size, unpack_state
+from lora_core.train.precision import DynamicLossScale
 
 
 class AdamW:
@@ -91,7 +91,7 @@ class AdamW:
         return {n: g.detach().cpu().numpy().copy() for n, g in self._grads().items()}
 
     def state_numpy(self) -> dict:
-        """Moments and step count as one flat numpy dict (``lora_core.optim.pack_state``)."""
+        """Moments and step count as one flat numpy dict (``lora_core.train.optim.pack_state``)."""
         state = pack_state({n: t.cpu().numpy().copy() for n, t in self.m.items()},
                            {n: t.cpu().numpy().copy() for n, t in self.v.items()}, self.t)
         return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}

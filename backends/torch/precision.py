@@ -1,5 +1,5 @@
 """Mixed precision for PyTorch: ``torch.autocast`` around the forward passes (semantics and
-loss scaling in ``lora_core.precision``; loss scaling runs in ``backends.torch.optim``).
+loss scaling in ``lora_core.train.precision``; loss scaling runs in ``backends.torch.optim``).
 
 Contract (same in every backend): ``set_precision(model, precision)`` chooses the precision
 of ``model``'s forward passes in ``train_step``, ``eval_nll``, ``beam_search`` and the
@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from lora_core.precision import check_precision
+from lora_core.train.precision import check_precision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""Loss and training step for PyTorch; semantics in ``lora_core.batching`` and ``lora_core.optim``.
+"""Loss and training step for PyTorch; semantics in ``lora_core.data.batching`` and ``lora_core.train.optim``.
 
 Contract (same in every backend): ``lm_loss(model, batch, label_smooth) -> scalar``;
 ``train_step(model, optimizer, micro_batches, lr, label_smooth, max_grad_norm) -> dict``;

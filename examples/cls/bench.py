@@ -6,7 +6,7 @@ fully (peft's ``modules_to_save=["classifier"]``, which by its suffix rule also 
 ``pre_classifier``, in every system), AdamW lr 2e-4, weight decay 0.01, eps 1e-8, batch 16 with
 gradient accumulation 2 (an update = 2 micro-batches of 16), dropout as configured (0.1,
 0.2 before the classifier). Batches are the first SST-2 training sentences in file order,
-WordPiece-tokenised (``lora_core.cls_data``) and padded to their longest sentence. Every
+WordPiece-tokenised (``lora_core.data.cls_data``) and padded to their longest sentence. Every
 (system, repeat) runs in its own process, so its peak RSS (``ru_maxrss``) is its own;
 systems rotate per repeat; the table gives medians. Every system starts from the same
 weights: random ones of the shape, or ``--base`` (a HF DistilBERT folder, e.g. the demo's
@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 import lora_core as lc
-from lora_core import cls_data
-from lora_core.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
+from lora_core.data import cls_data
+from lora_core.models.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
 
 from ..bench_worker import run_as_worker, spawn
 
@@ -83,7 +83,7 @@ def share_lora_init(peft_model, cfg: lc.LoRATargetConfig = TARGETS_CFG) -> None:
     same base."""
     import torch
 
-    from lora_core.targeting import LayerPlan, init_lora_arrays
+    from lora_core.lora.targeting import LayerPlan, init_lora_arrays
 
     prefix = "base_model.model."
     mods = {n[len(prefix) :]: m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}

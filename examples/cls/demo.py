@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_core.checkpoint import read_tensors
-from lora_core.data import write_jsonl_atomic, write_text_atomic
-from lora_core.recipes import CLS_RECIPES
-from lora_core.trainer import read_log
+from lora_core.data.nlg import write_jsonl_atomic, write_text_atomic
+from lora_core.formats.checkpoint import read_tensors
+from lora_core.train.recipes import CLS_RECIPES
+from lora_core.train.trainer import read_log
 
 from ..nlg.demo import pin_threads
 

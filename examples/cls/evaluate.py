@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 import lora_core as lc
-from lora_core import cls_data
-from lora_core.checkpoint import write_json_atomic
-from lora_core.data import write_text_atomic
+from lora_core.data import cls_data
+from lora_core.data.nlg import write_text_atomic
+from lora_core.formats.checkpoint import write_json_atomic
 
 from .prepare import read_prepared
 

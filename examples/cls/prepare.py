@@ -3,7 +3,7 @@
 WordPiece with ``tokenizers`` from BERT's uncased ``vocab.txt`` (``[CLS] ... [SEP]``, the ids
 ``transformers``' ``DistilBertTokenizer`` gives); no padding here: batches are padded to their
 longest sentence when formed. Sentences longer than ``--max-len`` tokens are cut and counted
-in the printed summary. A bad file stops with its name and line (``lora_core.cls_data``)::
+in the printed summary. A bad file stops with its name and line (``lora_core.data.cls_data``)::
 
     python -m examples.cls.prepare --data-dir ../shared/data/sst2 \\
         --vocab ../shared/data/distilbert-vocab/vocab.txt --out-dir out/sst2
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from lora_core import cls_data
-from lora_core.data import write_jsonl_atomic
+from lora_core.data import cls_data
+from lora_core.data.nlg import write_jsonl_atomic
 
 SPLITS = {"train": True, "dev": True, "test": False}  # split -> labelled
 

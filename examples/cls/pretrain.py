@@ -5,7 +5,7 @@ base: ``transformers``' ``DistilBertForMaskedLM`` (the class of the real
 ``distilbert-base-uncased`` checkpoint), BERT's masking (Devlin et al. 2019: 15% of the
 tokens other than ``[CLS]``/``[SEP]``/``[PAD]`` are predicted; of those 80% become
 ``[MASK]``, 10% a random token, 10% stay), AdamW with linear warm-up and decay
-(``lora_core.schedule``), batches of shuffled sentences of similar length padded to their
+(``lora_core.train.schedule``), batches of shuffled sentences of similar length padded to their
 longest. The MLM head runs on the masked positions only: the same loss as
 ``DistilBertForMaskedLM(..., labels=...)`` (a test checks), without the (B, T, 30522) logits
 of the other positions. For a budget of about a minute: no dropout while pre-training
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_core.checkpoint import write_json_atomic
-from lora_core.data import DataFormatError, read_jsonl
-from lora_core.schedule import linear_warmup_decay
+from lora_core.data.nlg import DataFormatError, read_jsonl
+from lora_core.formats.checkpoint import write_json_atomic
+from lora_core.train.schedule import linear_warmup_decay
 
 # BERT uncased vocab.txt (distilbert-base-uncased): 30522 WordPieces, these special ids.
 VOCAB_SIZE, PAD_ID, CLS_ID, SEP_ID, MASK_ID = 30522, 0, 101, 102, 103
@@ -186,7 +186,7 @@ def _train(model, train_ids, s: dict, log_path: Path, progress: bool) -> dict:
     import torch
     from tqdm import tqdm
 
-    from lora_core.cls_data import collate
+    from lora_core.data.cls_data import collate
 
     rng = np.random.default_rng(s["seed"])
     opt = _optimizer(model, s["lr"], s["weight_decay"])

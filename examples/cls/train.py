@@ -4,7 +4,7 @@ Reads the output of ``examples.cls.prepare`` (``train.jsonl``, ``dev.jsonl``, op
 ``test.jsonl``) and a HF DistilBERT folder (``config.json`` + ``model.safetensors`` or
 ``pytorch_model.bin``; a masked-LM checkpoint such as ``distilbert-base-uncased`` gets a
 seeded classification head), injects LoRA as the recipe says, and trains with
-``lora_core.trainer`` (``ClassificationTask``): the run folder of the NLG trainer (log.jsonl,
+``lora_core.train.trainer`` (``ClassificationTask``): the run folder of the NLG trainer (log.jsonl,
 ``ckpt-N/``, ``latest``, ``--resume``), then dev accuracy, ``OUT/dev_predictions.tsv``,
 ``OUT/test_predictions.tsv`` (GLUE's ``index\\tprediction``) and ``OUT/metrics.json``::
 
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import lora_core
 from lora_core.device import DEVICE_CHOICES
-from lora_core.distributed import run_job
-from lora_core.precision import PRECISIONS
-from lora_core.recipes import CLS_RECIPES, apply_overrides
-from lora_core.train_tasks import ClassificationTask
-from lora_core.trainer import train
+from lora_core.train.distributed import run_job
+from lora_core.train.precision import PRECISIONS
+from lora_core.train.recipes import CLS_RECIPES, apply_overrides
+from lora_core.train.tasks import ClassificationTask
+from lora_core.train.trainer import train
 
 from .evaluate import write_predictions
 from .prepare import read_prepared

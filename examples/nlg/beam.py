@@ -20,14 +20,14 @@ import dataclasses
 from pathlib import Path
 
 import lora_core
-from lora_core.beam_scoring import SCORING
-from lora_core.data import group_references, read_formatted, write_jsonl_atomic
+from lora_core.data.nlg import group_references, read_formatted, write_jsonl_atomic
+from lora_core.data.tokenizer import load_tokenizer
 from lora_core.device import DEVICE_CHOICES
-from lora_core.distributed import batch_shard, gather_outputs, run_job
-from lora_core.precision import PRECISIONS
-from lora_core.recipes import RECIPES, apply_overrides, get_recipe
-from lora_core.static_cache import DECODE_STEPS
-from lora_core.tokenizer import load_tokenizer
+from lora_core.generate.beam_scoring import SCORING
+from lora_core.generate.static_cache import DECODE_STEPS
+from lora_core.train.distributed import batch_shard, gather_outputs, run_job
+from lora_core.train.precision import PRECISIONS
+from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,

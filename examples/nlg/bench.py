@@ -60,8 +60,8 @@ from pathlib import Path
 import numpy as np
 
 from lora_core.device import DEVICE_CHOICES, parse_device
-from lora_core.precision import PRECISIONS
-from lora_core.static_cache import DECODE_STEPS
+from lora_core.generate.static_cache import DECODE_STEPS
+from lora_core.train.precision import PRECISIONS
 
 from ..bench_worker import run_as_worker, spawn
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples

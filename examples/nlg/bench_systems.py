@@ -40,9 +40,9 @@ def _toy():
     if not _TOY:
         import tempfile
 
-        from lora_core.convert import convert_e2e
-        from lora_core.tokenizer import load_tokenizer
-        from lora_core.toy import make_toy_dataset
+        from lora_core.data.convert import convert_e2e
+        from lora_core.data.tokenizer import load_tokenizer
+        from lora_core.data.toy import make_toy_dataset
 
         with tempfile.TemporaryDirectory() as d:
             paths = make_toy_dataset(Path(d))
@@ -56,8 +56,8 @@ def _toy():
 def train_examples(data_dir: Path, n: int, shape: str = "gpt2") -> list[tuple[list[int], list[int]]]:
     """The first ``n`` training examples (E2E, or the toy set for ``demo``) in a seeded
     shuffled order (paper layout ids)."""
-    from lora_core.convert import convert_e2e
-    from lora_core.tokenizer import encode_example, load_tokenizer
+    from lora_core.data.convert import convert_e2e
+    from lora_core.data.tokenizer import encode_example, load_tokenizer
 
     if shape == "demo":
         tok, records = _toy()[0], _toy()[1]["train"]
@@ -70,9 +70,9 @@ def train_examples(data_dir: Path, n: int, shape: str = "gpt2") -> list[tuple[li
 
 def beam_contexts(data_dir: Path, k: int, shape: str = "gpt2") -> list[list[int]]:
     """Prompt ids (``bpe(MR) + [eos]``) of the first ``k`` unique test MRs (E2E, or the toy set)."""
-    from lora_core.convert import convert_e2e
-    from lora_core.data import group_references
-    from lora_core.tokenizer import load_tokenizer
+    from lora_core.data.convert import convert_e2e
+    from lora_core.data.nlg import group_references
+    from lora_core.data.tokenizer import load_tokenizer
 
     if shape == "demo":
         tok, records = _toy()[0], _toy()[1]["test"]
@@ -100,8 +100,8 @@ class Ours:
     def __init__(self, name: str, cfg, trainable: bool, stops: tuple[int, ...] = STOP_IDS, device: str = "cpu",
                  precision: str = "fp32", decode_step: str = "auto", compile: str = "off"):
         import lora_core
-        from lora_core.optim import AdamWConfig
-        from lora_core.precision import LossScaleConfig
+        from lora_core.train.optim import AdamWConfig
+        from lora_core.train.precision import LossScaleConfig
 
         self.be, self.stops = lora_core.get_backend(name), stops
         self.decode_step = decode_step if name == "torch" else "auto"  # jittor has no captured step
@@ -126,7 +126,7 @@ class Ours:
         return None if compiled is None else compiled.graphs
 
     def prepare(self, pairs):
-        from lora_core.batching import collate
+        from lora_core.data.batching import collate
 
         return collate(pairs)
 
@@ -134,7 +134,7 @@ class Ours:
         return self.be.train_step(self.model, self.opt, [batch], LR, LABEL_SMOOTH, 0.0)["loss"]
 
     def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
-        from lora_core.beam import BeamConfig
+        from lora_core.generate.beam import BeamConfig
 
         cfg = BeamConfig(**BEAM, max_new_tokens=max_new_tokens, min_length=min(min_new_tokens, max_new_tokens),
                          repetition_penalty=1.0, stop_ids=self.stops)  # fmt: skip
@@ -157,7 +157,7 @@ class HFPeft:
 
         from lora_core import init_gpt2_weights
         from lora_core.device import resolve_device
-        from lora_core.naming import TRANSPOSED
+        from lora_core.models.gpt2 import TRANSPOSED
 
         self.torch, self.stops, self.eos = torch, stops, stops[0]
         hf_cfg = transformers.GPT2Config(
@@ -222,7 +222,7 @@ class HFPeft:
         return loss.item()
 
     def beam(self, contexts, batch_size: int, max_new_tokens: int, min_new_tokens: int) -> list[list[int]]:
-        from lora_core.beam import left_pad
+        from lora_core.generate.beam import left_pad
 
         torch = self.torch
         self.model.eval()

@@ -20,9 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_core.convert import convert
-from lora_core.decode import make_eval_files
-from lora_core.tokenizer import load_tokenizer
+from lora_core.data.convert import convert
+from lora_core.data.tokenizer import load_tokenizer
+from lora_core.generate.decode import make_eval_files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
     bash scripts/lora.sh demo --data-dir ../shared/data   # real E2E (needs e2e/ and gpt2-vocab/)
 
 Steps (output folder ``--out``, default ``runs/demo``):
-1. Data: the toy restaurant set (``lora_core.toy``: E2E format, its own byte-level BPE) or
+1. Data: the toy restaurant set (``lora_core.data.toy``: E2E format, its own byte-level BPE) or
    E2E from ``--data-dir`` with a 1,024-token byte-level BPE trained on its training texts
    (GPT-2's 50,257-token head would make the self-made base too slow to pre-train on a
    CPU); formatted JSONL files are written to ``OUT/data``.
@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 
 import lora_core as lc
-from lora_core.batching import collate
-from lora_core.convert import convert_e2e
-from lora_core.data import group_references, write_jsonl_atomic, write_text_atomic
-from lora_core.decode import make_eval_files
-from lora_core.recipes import get_recipe
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset, train_toy_tokenizer
-from lora_core.trainer import read_log, train
+from lora_core.data.batching import collate
+from lora_core.data.convert import convert_e2e
+from lora_core.data.nlg import group_references, write_jsonl_atomic, write_text_atomic
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import make_toy_dataset, train_toy_tokenizer
+from lora_core.generate.decode import make_eval_files
+from lora_core.train.recipes import get_recipe
+from lora_core.train.trainer import read_log, train
 
 from .beam import decode_contexts, write_beam_jsonl
 

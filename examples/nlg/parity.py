@@ -3,7 +3,7 @@
     python -m examples.nlg.parity --data-dir ../shared/data --steps 200 --test-mrs 50 [--dropout 0.1]
 
 A small base is made first (no pretrained GPT-2 can be downloaded): a byte-level BPE of
-``--vocab-size`` tokens trained on the E2E training texts (``lora_core.toy.train_toy_tokenizer``;
+``--vocab-size`` tokens trained on the E2E training texts (``lora_core.data.toy.train_toy_tokenizer``;
 with GPT-2's 50,257 tokens a CPU cannot pre-train a useful base in minutes) and the
 ``demo``-size GPT-2 pre-trained (torch, full fine-tuning, ``--pretrain-steps``) as a plain
 LM on ``MR => text`` documents of the first E2E training examples, as the demo does. A
@@ -24,12 +24,12 @@ import shutil
 from pathlib import Path
 
 import lora_core as lc
-from lora_core.convert import convert_e2e
-from lora_core.data import group_references
-from lora_core.recipes import get_recipe
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import train_toy_tokenizer
-from lora_core.trainer import read_log, train
+from lora_core.data.convert import convert_e2e
+from lora_core.data.nlg import group_references
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import train_toy_tokenizer
+from lora_core.train.recipes import get_recipe
+from lora_core.train.trainer import read_log, train
 
 from .beam import decode_contexts
 from .demo import pretrain_base

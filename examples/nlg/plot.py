@@ -3,7 +3,7 @@
     python -m examples.nlg.plot runs/toy-torch/log.jsonl runs/toy-jittor/log.jsonl \\
         --labels torch jittor --out curves.png
 
-The logs are those ``lora_core.trainer`` writes (``kind`` ``train`` lines with ``step``,
+The logs are those ``lora_core.train.trainer`` writes (``kind`` ``train`` lines with ``step``,
 ``loss``, ``avg_loss``; ``eval`` lines with ``valid_nll``). Curves are overlaid, so two
 backends trained from the same weights and data order should draw one line.
 """
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_core.trainer import read_log
+from lora_core.train.trainer import read_log
 
 
 def _series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:

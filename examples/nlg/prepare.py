@@ -20,10 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_core.convert import CONVERTERS, convert
-from lora_core.data import write_jsonl_atomic
-from lora_core.tokenizer import encode_file, load_tokenizer
-from lora_core.toy import make_toy_dataset
+from lora_core.data.convert import CONVERTERS, convert
+from lora_core.data.nlg import write_jsonl_atomic
+from lora_core.data.tokenizer import encode_file, load_tokenizer
+from lora_core.data.toy import make_toy_dataset
 
 
 def _split_arg(text: str) -> tuple[str, Path]:

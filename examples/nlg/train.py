@@ -1,7 +1,7 @@
 """Train a LoRA adapter on encoded NLG data with one of the paper's recipes.
 
 Reads encoded JSONL (``examples.nlg.prepare`` output: ``{"context": ids, "completion": ids}``)
-and writes the run folder described in ``lora_core.trainer``. Examples::
+and writes the run folder described in ``lora_core.train.trainer``. Examples::
 
     python -m examples.nlg.train --backend torch --recipe e2e-medium \\
         --train data/e2e/train.jsonl --valid data/e2e/valid.jsonl \\
@@ -31,13 +31,13 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.checkpoint import save_model
-from lora_core.data import read_encoded
+from lora_core.data.nlg import read_encoded
 from lora_core.device import DEVICE_CHOICES
-from lora_core.distributed import run_job
-from lora_core.precision import PRECISIONS
-from lora_core.recipes import RECIPES, apply_overrides, get_recipe
-from lora_core.trainer import train
+from lora_core.formats.checkpoint import save_model
+from lora_core.train.distributed import run_job
+from lora_core.train.precision import PRECISIONS
+from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
+from lora_core.train.trainer import train
 
 
 def build(backend, args, lora, comm):

@@ -1,0 +1,311 @@
+"""GPT-2 LM with LoRA for PyTorch (HF ``GPT2LMHeadModel`` semantics, nanoGPT layout).
+
+Names follow ``lora_core.models.gpt2`` so that ``named_parameters()`` are the canonical names.
+Contract (same in every backend):
+    ``GPT2LMModel(cfg, lora=None)``; ``model(input_ids, past=None, attention_mask=None,
+    position_ids=None) -> (logits, present)``; ``model.hidden(...) -> (h, present)``;
+    ``model.lm_logits(h)``; ``model.load_weights(tensors)`` (strict);
+    ``model.state_numpy()``.
+``attention_mask`` (B, T_past + T) marks real tokens with 1; position ids default to
+``cumsum(mask) - 1`` so left-padded batches get the positions of their real tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lora_core.formats.checkpoint import check_tensors
+from lora_core.generate.beam import compose_rows
+from lora_core.generate.masks import attention_bias, positions
+from lora_core.lora.dropout import ReplayMasks
+from lora_core.lora.layers import decoding_weights
+from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
+
+from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
+
+Past = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCache:
+    """KV cache for beam search: per layer the prompt's keys and values once per input,
+    (inputs, n_head, P, head_size), shared by that input's ``repeats`` beams, and the generated
+    positions per beam, (inputs * repeats, n_head, t, head_size).
+
+    ``reorder`` only records the new row order; the next forward pass gathers the generated
+    part's rows straight into its grown buffer (``index_select(out=...)``): one copy of the
+    generated positions per step, none of the prompt, where concatenating and reordering a
+    full cache copies everything twice. Attention reads the prompt once per input (the beams
+    are extra query rows of one matrix product). For inference: no gradient flows through it.
+
+    ``KVCache(past, repeats)`` takes a list-of-(k, v) cache of the prompts.
+    """
+
+    def __init__(self, past: Past, repeats: int = 1):
+        self.prompt = [(k.detach(), v.detach()) for k, v in past]
+        self.repeats, self.length = repeats, past[0][0].shape[2]
+        rows, nh, _, hs = past[0][0].shape
+        empty = past[0][0].new_empty((rows * repeats, nh, 0, hs))
+        self.generated = [(empty, empty) for _ in past]
+        self.pending: np.ndarray | None = None  # reorder for the next forward pass
+        self.rows: torch.Tensor | None = None  # the same as a tensor
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
+        next forward pass)."""
+        self.pending = compose_rows(self.pending, rows, self.repeats)
+        self.rows = None if self.pending is None else torch.from_numpy(self.pending).to(self.prompt[0][0].device)
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``: store the new keys/values ``k``, ``v`` (rows, nh, T, hs) after the
+        (reordered) generated ones and return the attention output for the queries ``q``;
+        ``bias`` (rows, 1, T, length + T) is the additive mask."""
+        grown = []
+        for old, new in zip(self.generated[i], (k.detach(), v.detach())):
+            n = old.shape[2]
+            buf = old.new_empty((new.shape[0], new.shape[1], n + new.shape[2], new.shape[3]))
+            if self.rows is None:
+                buf[:, :, :n] = old
+            else:
+                torch.index_select(old, 0, self.rows, out=buf[:, :, :n])
+            buf[:, :, n:] = new
+            grown.append(buf)
+        self.generated[i] = kg, vg = tuple(grown)
+        return attend_shared_prompt(q, *self.prompt[i], kg, vg, bias)
+
+    def advance(self, T: int) -> None:
+        """Called once every layer has taken its ``T`` new positions."""
+        self.length += T
+        self.pending = self.rows = None
+
+
+def attend_shared_prompt(q, kp, vp, kg, vg, bias) -> torch.Tensor:
+    """Attention of the queries ``q`` (R, nh, T, hs) of R = B x beam rows (input-major) over a
+    prompt cache kept once per input, ``kp``/``vp`` (B, nh, P, hs), and each row's generated
+    keys and values ``kg``/``vg`` (R, nh, G, hs); ``bias`` (R|1, 1, T, P + G) is additive. The
+    prompt is read once per input: its beams are extra query rows of one product."""
+    R, nh, T, hs = q.shape
+    B, P = kp.shape[0], kp.shape[2]
+    beam = R // B
+
+    def by_input(x):  # (R, nh, T, m) -> (B, nh, beam * T, m)
+        return x.reshape(B, beam, nh, T, -1).transpose(1, 2).reshape(B, nh, beam * T, -1)
+
+    def by_row(x):  # inverse of by_input
+        return x.reshape(B, nh, beam, T, -1).transpose(1, 2).reshape(R, nh, T, -1)
+
+    scores = torch.cat([by_row(by_input(q) @ kp.transpose(-1, -2)), q @ kg.transpose(-1, -2)], dim=-1)
+    att = torch.softmax(scores * (1.0 / hs ** 0.5) + bias, dim=-1)
+    return by_row(by_input(att[..., :P]) @ vp) + att[..., P:] @ vg
+
+
+def _linear(name: str, fin: int, fout: int, lora: LoRAConfig | None) -> LoRALinear:
+    if lora is None or lora.r == 0 or not any(matches_target(name, t) for t in lora.target_modules):
+        return LoRALinear(fin, fout)
+    if name.endswith("attn.c_attn") and lora.enable_lora is not None:
+        return LoRAMergedLinear(fin, fout, lora.r, lora.alpha, lora.dropout, lora.enable_lora)
+    return LoRALinear(fin, fout, lora.r, lora.alpha, lora.dropout)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        E = cfg.n_embd
+        self.n_head, self.attn_pdrop = cfg.n_head, cfg.attn_pdrop
+        self.c_attn = _linear(prefix + "attn.c_attn", E, 3 * E, lora)
+        self.c_proj = _linear(prefix + "attn.c_proj", E, E, lora)
+        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x, past, bias, unpad=None):
+        qkv = self.c_attn(x)
+        if unpad is not None:  # packed (N, 3E) -> padded (B, T, 3E); pads read an appended zero row
+            token_index, pad_index, B, T = unpad
+            qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[-1])]).index_select(0, pad_index).view(B, T, -1)
+        B, T, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(E, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, E // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        p = self.attn_pdrop if self.training else 0.0
+        if isinstance(past, tuple) and not isinstance(past[0], torch.Tensor):  # a cache object: (cache, layer)
+            y = past[0].attend(past[1], q, k, v, bias)
+            return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, E))), None
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if T == 1 and not p and bias is not None:  # one new token against a cache: two small matmuls beat SDPA here
+            att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / (E // self.n_head) ** 0.5) + bias, dim=-1)
+            y = att @ v
+        elif bias is None:  # no past, no padding: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, E)
+        if unpad is not None:  # back to the real tokens only
+            y = y.reshape(B * T, E).index_select(0, token_index)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        E = cfg.n_embd
+        self.c_fc = _linear(prefix + "mlp.c_fc", E, 4 * E, lora)
+        self.c_proj = _linear(prefix + "mlp.c_proj", 4 * E, E, lora)
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        if self.c_fc.decode_weight is not None:  # inference: GELU fused into the product
+            return self.c_proj(linear_decode(x, self.c_fc.decode_weight, self.c_fc.bias, gelu=True))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None, prefix: str):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg, lora, prefix)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg, lora, prefix)
+
+    def forward(self, x, past, bias, unpad=None):
+        a, present = self.attn(self.ln_1(x), past, bias, unpad)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), present
+
+
+class GPT2LMModel(nn.Module):
+    """GPT-2 with a tied LM head and optional LoRA layers (see module docstring)."""
+
+    peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
+
+    def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
+        super().__init__()
+        self.config, self.lora_config = cfg, lora
+        wte_lora = lora is not None and lora.r and "wte" in lora.target_modules
+        self.wte = LoRAEmbedding(cfg.vocab_size, cfg.n_embd, lora.r, lora.alpha) if wte_lora \
+            else LoRAEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.embd_pdrop)
+        self.h = nn.ModuleList(Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.decode_head = None
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each block in the backward pass
+
+    def decoding(self, rows: int = 80):
+        """Weights prepared for no-grad inference inside the block: each linear layer and the
+        LM head use a copy of their weight with the LoRA update added, pre-packed for oneDNN on
+        CPU (``pack_weight``). The parameters are untouched; do not change them in the block.
+        ``rows`` is the expected number of rows per forward (a layout hint)."""
+        return decoding_weights(self, pack_weight, torch.no_grad, rows)
+
+    def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
+               position_ids=None) -> tuple[torch.Tensor, Past]:
+        """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nh, T_all, hs),
+        or ``past`` itself, advanced in place, when it is a ``KVCache``."""
+        dev = self.wte.weight.device  # inputs follow the model (CPU or a GPU after model.to(...))
+        input_ids = _tensor(input_ids).to(dev)
+        B, T = input_ids.shape
+        cache = past if isinstance(past, KVCache) else None
+        t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
+        if t_past + T > self.config.n_positions:
+            raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
+        mask = None if attention_mask is None else _np(attention_mask)
+        if position_ids is None:
+            position_ids = positions(mask, B, T, t_past)
+        bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past)).to(dev)
+        x = self.drop(self.wte(input_ids) + self.wpe(_tensor(position_ids).to(dev)))
+        present = []
+        for i, block in enumerate(self.h):
+            x, kv = block(x, None if past is None else (cache, i) if cache else past[i], bias)
+            present.append(kv)
+        if cache:
+            cache.advance(T)
+            present = cache
+        return self.ln_f(x), present
+
+    def hidden_unpadded(self, input_ids, token_index, pad_index) -> torch.Tensor:
+        """Final hidden states (N, E) of the real tokens of a right-padded batch (no cache,
+        positions 0..len-1 per row): the position-wise layers run on the N real tokens only
+        and attention on the padded (B, T) layout; indices as ``lora_core.data.batching.collate``
+        makes them."""
+        dev = self.wte.weight.device
+        ids = _tensor(input_ids).to(dev)
+        B, T = ids.shape
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
+        tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
+        x = self.drop(self.wte(ids.reshape(-1).index_select(0, tok)) + self.wpe(tok % T))
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
+        for block in self.h:
+            x = _checkpointed(block, x, (tok, pad, B, T)) if recompute else block(x, None, None, (tok, pad, B, T))[0]
+        return self.ln_f(x)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: ``h @ wte^T`` (LoRA on wte included when unmerged)."""
+        if self.decode_head is not None:
+            return linear_decode(h, self.decode_head, None)
+        w = self.wte.weight
+        if self.wte.r and not self.wte.merged:
+            w = w + self.wte.delta_weight()
+        return h @ w.t()
+
+    def forward(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        h, present = self.hidden(input_ids, past, attention_mask, position_ids)
+        return self.lm_logits(h), present
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy numpy tensors into every parameter (strict: names and shapes must match)."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items()})
+        for n, p in params.items():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+
+    @torch.no_grad()
+    def load_partial(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if n in tensors})
+        for n, v in tensors.items():
+            params[n].copy_(torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)))
+
+    def state_numpy(self) -> dict[str, np.ndarray]:
+        """numpy copies of every parameter, canonical names."""
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
+
+
+def _checkpointed(block, x: torch.Tensor, unpad) -> torch.Tensor:
+    """``block``'s output on the real tokens ``x`` (N, E) without keeping its activations:
+    ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
+    framework dropout repeats; numpy parity masks are replayed by ``ReplayMasks``)."""
+    layers = [m for m in block.modules()  # a ``fixed`` source (a compiled step's) repeats itself
+              if getattr(m, "mask_source", None) is not None and not getattr(m.mask_source, "fixed", False)]
+    replays = [ReplayMasks(m.mask_source) for m in layers]  # per layer: the first pass records
+
+    def run(h):
+        sources = [m.mask_source for m in layers]
+        for m, r in zip(layers, replays):
+            r.start()
+            m.mask_source = r
+        try:
+            return block(h, None, None, unpad)[0]
+        finally:
+            for m, src in zip(layers, sources):
+                m.mask_source = src
+
+    return checkpoint(run, x, use_reentrant=False)
+
+
+def set_grad_checkpoint(model, enabled: bool = True) -> None:
+    """Activation checkpointing per transformer block in training (the same loss and gradients
+    as the plain step, less memory, one more forward pass per block)."""
+    model.grad_checkpoint = bool(enabled)
+
+
+def _np(x):
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _tensor(x):
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))

@@ -1,0 +1,431 @@
+"""The training loop, framework-agnostic, task-agnostic and resumable.
+
+What is trained is a task's business (``lora_core.train.tasks``: examples, batches, the
+update's loss, evaluation, adapter files): ``LMTask`` for the NLG experiments (the default),
+``ClassificationTask`` for DistilBERT on SST-2. The loop below never looks inside an example.
+
+For the NLG experiments it has the semantics of the LoRA paper's ``examples/NLG/src/gpt2_ft.py`` (microsoft/LoRA), through the
+backend contract only (``AdamW``, ``train_step``, ``eval_nll``, ``manual_seed``,
+``lora_state_dict``, ``load_partial``): batches of ``batch_size`` examples in a seeded
+order per epoch, ``epochs x ceil(N / batch_size)`` updates, the lr of update ``s`` (0-based)
+``lr_at(s, ...)``, label-smoothed loss on completion tokens, optional clipping and gradient
+accumulation, validation NLL / perplexity every ``eval_every`` updates.
+
+Differences from the paper code, on purpose:
+- dynamic padding (``pad_to`` restores the 512-token batches);
+- validation NLL is averaged over tokens (the paper averages per-batch means);
+- with ``grad_accum`` the schedule counts optimizer updates (the paper steps its scheduler
+  per micro-batch, so its ``--warmup_step`` is in micro-batches);
+- checkpoints hold the adapter only, plus what an exact resume needs.
+
+Exact resume. Everything random is a function of ``(seed, epoch)`` or ``(seed, step)``: the
+data order is ``numpy.random.default_rng([seed, epoch]).permutation(N)``, and the framework
+RNG is reseeded with ``seed * 1_000_003 + step`` before every update (dropout masks). A
+checkpoint ``OUT/ckpt-{step}/`` holds the adapter (``save_adapter``), the optimizer moments
+(``trainer_state.safetensors``) and ``trainer_state.json`` (step, epoch, batch position in
+the epoch, schedule, RNG recipe, data fingerprint). It is written in a hidden temp folder
+renamed into place, then the ``OUT/latest`` pointer is replaced atomically; temp leftovers
+of a killed run are ignored and removed. A resumed run therefore ends with the same
+weights as an uninterrupted one, bit for bit on the same machine and backend. A latest
+checkpoint damaged afterwards (a cut copy) stops ``resume`` with an error naming the damage
+and the newest intact earlier checkpoint, which ``resume_from`` then continues from.
+
+Several processes (``torchrun``, ``mpirun``; ``comm`` from ``lora_core.train.distributed.start_job``):
+the same updates as one process on the same global batch (``lora_core.train.distributed``); rank 0
+alone writes the run folder, every rank resumes from it (a shared filesystem).
+
+Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per line, ``kind``
+``start``/``train``/``eval``), ``ckpt-{step}/``, ``latest``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+from ..lora.dropout import NumpyDropout
+from ..lora.layers import lora_layers
+from ..progress import step_bar
+from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
+from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
+from .precision import precision_log
+from .recipes import TrainConfig
+from .run_dir import (
+    LATEST_FILE,
+    LOG_FILE,
+    find_checkpoint,
+    open_run_dir,
+    read_checkpoint,
+    read_log,
+    truncate_log,
+    write_checkpoint,
+)
+from .schedule import lr_at
+from .tasks import LMTask, task_for
+
+__all__ = [
+    "Trainer",
+    "train",
+    "epoch_batches",
+    "steps_per_epoch",
+    "total_steps",
+    "dropout_seed",
+    "evaluate",
+    "find_checkpoint",
+    "read_log",
+    "LOG_FILE",
+    "LATEST_FILE",
+]
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(rss / 2**20 if sys.platform == "darwin" else rss / 1024, 1)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = None, comm: Comm | None = None,
+             task=None) -> dict:
+    """The task's validation figures over ``examples`` (default task: ``task_for(model)``; for
+    the LM, plain NLL per completion token and perplexity), batches in length order (with
+    ``comm``: shared by the ranks)."""
+    task = task or task_for(model)
+    cfg = types.SimpleNamespace(pad_to=pad_to)
+    return task.evaluate(backend, model, task.examples(examples), batch_size, cfg, comm)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Position of the run; ``batch_in_epoch`` batches of ``epoch`` (0-based) are done."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    examples_seen: int = 0
+    tokens_seen: int = 0
+
+
+class Trainer:
+    """Trains ``model`` (built by ``backend``) with ``cfg``, writing into ``out_dir``.
+
+    Args:
+        backend: a backend module (``lora_core.get_backend(name)``).
+        model: a LoRA model of that backend: a GPT-2 built with ``lora=`` (``model.config``,
+            ``model.lora_config``), or any model after ``inject_lora`` (with the
+            classification task).
+        cfg: the training recipe.
+        out_dir: run folder (created).
+        progress: show a tqdm bar (rank 0 only).
+        base_note: which base weights the adapter belongs to (stored in its config).
+        comm: the job of several processes (``lora_core.train.distributed.start_job``); default one.
+        task: what is trained (``lora_core.train.tasks``); default ``task_for(model)``: the
+            causal LM for GPT-2, classification for an injected classifier.
+    """
+
+    def __init__(
+        self,
+        backend,
+        model,
+        cfg: TrainConfig,
+        out_dir,
+        progress: bool = True,
+        base_note: str | None = None,
+        comm: Comm | None = None,
+        task=None,
+    ):
+        self.task = task or task_for(model)
+        if isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None:
+            raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
+        self.task.check_config(cfg, model)
+        self.backend, self.model, self.cfg = backend, model, cfg
+        self.comm = comm or Comm()
+        backend.set_precision(model, cfg.precision)  # issue 8: forward passes in cfg.precision
+        self.out_dir, self.progress, self.base_note = Path(out_dir), progress and self.comm.world.is_main, base_note
+        if self.comm.world.parallel and cfg.dropout_masks == "numpy" and not self.task.sharded_dropout_masks:
+            raise ValueError(
+                f"dropout_masks='numpy' (parity mode) runs on one process for the {self.task.name} task: "
+                "use dropout_masks='framework' with several processes"
+            )
+        self.dp = backend.data_parallel(model, self.task.loss) if self.comm.world.parallel else None  # may move it to a GPU
+        self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
+        self.state = TrainerState()
+
+    # ---------------------------------------------------------------- run set-up
+
+    def _run_config(self, examples) -> dict:
+        return {
+            "task": self.task.name,
+            "train": self.cfg.to_dict(),
+            **self.task.describe(self.model),
+            "base": self.base_note,
+            "data": {"n_train": len(examples), "sha256": self.task.fingerprint(examples)},
+        }
+
+    def _adapter_files(self):
+        return self.task.adapter_files(self.backend, self.model, self.base_note)
+
+    def _prepare_dir(self, pairs, resume: bool, resume_from=None) -> None:
+        found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self._adapter_files(), resume_from)
+        if found is not None:
+            self._restore(*found[1])
+        if resume:
+            truncate_log(self.out_dir, self.state.step)
+
+    def _prepare(self, pairs, resume: bool, resume_from=None) -> None:
+        """Check that every rank runs the same code and configuration, let rank 0 prepare the
+        folder (one error on every rank if it fails), then load the checkpoint on the others."""
+        comm = self.comm
+        check_shardable(len(pairs), self.cfg.batch_size, self.cfg.grad_accum, self.cfg.last_batch, comm.world.size)
+        if comm.world.parallel:
+            comm.check_same("run configuration or code", run_hash(self._run_config(pairs), self.backend.NAME))
+        comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
+        ckpt = find_checkpoint(self.out_dir) if resume and not comm.world.is_main else None
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+
+    def _log(self, record: dict) -> None:
+        if not self.comm.world.is_main:
+            return
+        with open(self.out_dir / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, total: int) -> Path:
+        """Write ``OUT/ckpt-{step}`` (temp folder + rename), then point ``OUT/latest`` at it."""
+        s, cfg = self.state, self.cfg
+        meta = {
+            **dataclasses.asdict(s),
+            "total_steps": total,
+            "schedule": {
+                "kind": cfg.schedule,
+                "base_lr": cfg.lr,
+                "warmup": cfg.warmup,
+                "max_step": total,
+                "next_lr": lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule),
+            },
+            "rng": {
+                "seed": cfg.seed,
+                "data_order": "numpy default_rng([seed, epoch]).permutation(n)",
+                "dropout": f"manual_seed(seed * 1000003 + step), next {dropout_seed(cfg.seed, s.step)}",
+            },
+            "backend": self.backend.NAME,
+            "world_size": self.comm.world.size,
+        }
+        tensors = self.backend.lora_state_dict(self.model)
+        return self.comm.on_main(
+            write_checkpoint, self.out_dir, s.step, self._adapter_files(), tensors, self.optimizer.state_numpy(), meta
+        )
+
+    def load_checkpoint(self, path) -> None:
+        """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
+        self._restore(*read_checkpoint(path, self._adapter_files()))
+
+    def _restore(self, tensors: dict, opt: dict, meta: dict) -> None:
+        self.model.load_partial(tensors)
+        self.optimizer.load_state_numpy(opt)
+        self.state = TrainerState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainerState)})
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(
+        self, train_examples, valid_examples=None, resume: bool = False, kill_after: int | None = None, resume_from=None
+    ) -> dict:
+        """Train to ``total_steps``; returns a summary (last step, loss, valid NLL, checkpoint).
+
+        Args:
+            train_examples, valid_examples: the task's examples (LM: ``(context_ids,
+                completion_ids)`` pairs or ``read_encoded`` records; classification:
+                ``(token_ids, label)`` or ``{"ids", "label"}`` records).
+            resume: continue from ``OUT/latest`` (a fresh start if none was saved yet); a
+                damaged latest checkpoint raises ``CheckpointError`` naming the newest
+                intact one.
+            resume_from: continue from this ``OUT/ckpt-N`` folder instead (implies
+                ``resume``); ``OUT/latest`` is pointed at it.
+            kill_after: test hook: after update N (and its log and checkpoint) the process
+                kills itself with SIGKILL, as a crash would.
+        """
+        cfg, be, model = self.cfg, self.backend, self.model
+        pairs = self.task.examples(train_examples)
+        valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
+        self.task.check(pairs + valid, model)
+        self._prepare(pairs, resume or resume_from is not None, resume_from)
+        total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
+        s = self.state
+        self._log(
+            {
+                "kind": "start",
+                "step": s.step,
+                "backend": be.NAME,
+                "task": self.task.name,
+                "resumed": s.step > 0,
+                "total_steps": total,
+                "steps_per_epoch": per_epoch,
+                "n_train": len(pairs),
+                "n_valid": len(valid),
+                "trainable": be.count_trainable(model),
+                "world_size": self.comm.world.size,
+            }
+        )
+        masks = None
+        if cfg.dropout_masks == "numpy":
+            masks = ShardedDropout(cfg.seed) if self.dp is not None else NumpyDropout(cfg.seed)
+        be.set_dropout_source(model, masks)
+        try:
+            return self._loop(pairs, valid, total, per_epoch, kill_after, masks)
+        finally:
+            be.set_dropout_source(model, None)
+
+    def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
+        cfg, be, s = self.cfg, self.backend, self.state
+        bar = step_bar(total, s.step, f"train[{be.NAME}]", self.progress)
+        window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+        start_step, result = s.step, {}
+        while s.step < total:
+            batches = epoch_batches(len(pairs), cfg.batch_size, cfg.seed, s.epoch, cfg.last_batch)
+            for b in range(s.batch_in_epoch, len(batches)):
+                t0 = time.perf_counter()
+                idx = batches[b]
+                lr = lr_at(s.step, cfg.lr, cfg.warmup, total, cfg.schedule)
+                world = self.comm.world  # framework masks: one stream per (step, rank); exact parity needs numpy masks
+                be.manual_seed(dropout_seed(cfg.seed, s.step) * world.size + world.rank)
+                if masks is not None:
+                    masks.reseed(s.step)
+                out, tokens = self._update(pairs, idx, lr, masks)
+                dt = time.perf_counter() - t0
+                s.step, s.batch_in_epoch = s.step + 1, b + 1
+                s.examples_seen, s.tokens_seen = s.examples_seen + len(idx), s.tokens_seen + tokens
+                if s.batch_in_epoch == len(batches):
+                    s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+                for k, v in (("loss", out["loss"]), ("n", 1), ("time", dt), ("examples", len(idx)), ("tokens", tokens)):
+                    window[k] += v
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{lr:.2e}", refresh=False)
+                result = self._after_step(out, lr, window, total, per_epoch, valid)
+                if s.step == kill_after and self.comm.world.rank == self.comm.world.size - 1:
+                    bar.close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if s.step >= total:
+                    break
+        bar.close()
+        if s.step > start_step:
+            if valid and not (cfg.eval_every and s.step % cfg.eval_every == 0):  # not evaluated at this step yet
+                result.update(self._evaluate(valid, per_epoch))
+            if not (cfg.save_every and s.step % cfg.save_every == 0):
+                self.save_checkpoint(total)
+        return {
+            "step": s.step,
+            "epoch": round(s.step / per_epoch, 4),
+            **{k: v for k, v in result.items() if k != "kind"},
+            "checkpoint": str(find_checkpoint(self.out_dir)),
+            "log": str(self.out_dir / LOG_FILE),
+        }
+
+    def _update(self, pairs, idx, lr: float, masks) -> tuple[dict, int]:
+        """One optimizer update on the global batch ``idx``; returns the backend's result (global
+        loss) and the batch's real input tokens."""
+        cfg, be, model, task = self.cfg, self.backend, self.model, self.task
+        if self.dp is None:
+            micro = [
+                task.collate([pairs[i] for i in chunk], cfg, model)
+                for chunk in np.array_split(idx, min(cfg.grad_accum, len(idx)))
+            ]
+            out = task.train_step(be, model, self.optimizer, micro, lr, cfg)
+            return out, int(sum(int(mb["n_tokens"]) for mb in micro))
+        shard = shard_step(idx, pairs, cfg.grad_accum, self.comm.world, task.sizes)
+        if masks is not None:
+            masks.plan(shard.dropout_rows, sum(1 for m in lora_layers(model) if getattr(m, "p", 0) > 0))
+        micro = [task.collate([pairs[i] for i in c], cfg, model) for c in shard.chunks]
+        out = be.parallel_train_step(
+            self.dp, self.optimizer, micro, shard.weights, lr, cfg.label_smooth, cfg.max_grad_norm
+        )
+        out["loss"] = float(self.comm.all_reduce_sum([out["loss"]])[0])
+        return out, shard.tokens
+
+    def _after_step(self, out: dict, lr: float, window: dict, total: int, per_epoch: int, valid) -> dict:
+        """Log, evaluate and save as the schedule of ``log_every``/``eval_every``/``save_every`` says."""
+        cfg, s = self.cfg, self.state
+        result = {"loss": out["loss"]}
+        if s.step % cfg.log_every == 0 or s.step == total:
+            w, world = window, self.comm.world
+            memory = {"peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": self.backend.peak_gpu_mb(self.model)}
+            if world.parallel:  # every rank's peak, gathered (a collective: all ranks log the same steps)
+                memory["peak_rss_mb_per_rank"] = self.comm.all_gather([memory["peak_rss_mb"] or 0.0])[:, 0].tolist()
+            norm = out.get("grad_norm")
+            self._log(
+                {
+                    "kind": "train",
+                    "step": s.step,
+                    "epoch": round(s.step / per_epoch, 4),
+                    "lr": lr,
+                    "loss": out["loss"],
+                    "avg_loss": w["loss"] / w["n"],
+                    "grad_norm": None if norm is None or math.isnan(norm) else norm,
+                    "ms_per_batch": 1000 * w["time"] / w["n"],
+                    "examples_per_s": w["examples"] / w["time"],
+                    "tokens_per_s": w["tokens"] / w["time"],
+                    **memory,
+                    **precision_log(self.optimizer),  # fp16: skipped_steps, loss_scale
+                }
+            )
+            window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+        if valid and cfg.eval_every and s.step % cfg.eval_every == 0:
+            result.update(self._evaluate(valid, per_epoch))
+        if cfg.save_every and s.step % cfg.save_every == 0:
+            self.save_checkpoint(total)
+        return result
+
+    def _evaluate(self, valid, per_epoch: int) -> dict:
+        t0 = time.perf_counter()
+        res = self.task.evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg, self.comm)
+        self._log(
+            {
+                "kind": "eval",
+                "step": self.state.step,
+                "epoch": round(self.state.step / per_epoch, 4),
+                **res,
+                "eval_s": round(time.perf_counter() - t0, 3),
+            }
+        )
+        return res
+
+
+def train(
+    backend,
+    model,
+    train_examples,
+    valid_examples,
+    cfg: TrainConfig,
+    out_dir,
+    resume: bool = False,
+    max_steps: int | None = None,
+    progress: bool = True,
+    base_note: str | None = None,
+    kill_after: int | None = None,
+    resume_from=None,
+    comm: Comm | None = None,
+    task=None,
+) -> dict:
+    """Train ``model`` with ``cfg`` into ``out_dir``; see :class:`Trainer` and :meth:`Trainer.fit`.
+
+    ``max_steps`` is shorthand for ``cfg.max_steps`` (the run's length and the schedule's end).
+    """
+    if max_steps is not None:
+        cfg = dataclasses.replace(cfg, max_steps=max_steps)
+    trainer = Trainer(backend, model, cfg, out_dir, progress=progress, base_note=base_note, comm=comm, task=task)
+    return trainer.fit(train_examples, valid_examples, resume=resume, kill_after=kill_after, resume_from=resume_from)
