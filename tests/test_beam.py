@@ -162,12 +162,17 @@ def test_captured_decode_step_gives_the_eager_beams(backend, tiny):
 class ReplayRecorder:
     """A CPU stand-in for ``CUDAGraphRecorder`` with its contract: two warm-up runs, an ``out``
     fixed at recording, each replay recomputing the step into that ``out`` (unlike a CUDA
-    graph, the recording executes the step too)."""
+    graph, the recording executes the step too); it asserts that it is handed ``device``,
+    the model's device (the one a CUDA graph must be recorded on)."""
 
-    def __init__(self):
-        self.replays = 0
+    def __init__(self, device="cpu"):
+        self.replays, self.device, self.devices = 0, device, []
 
-    def record(self, fn):
+    def record(self, fn, device):
+        import torch
+
+        self.devices.append(device)
+        assert device == torch.device(self.device), f"recorder handed {device}, the model is on {self.device}"
         for _ in range(2):
             fn()
         out = fn()
@@ -190,9 +195,9 @@ def test_captured_step_record_and_replay_logic(tiny):
     bc = BeamConfig(beam=4, max_new_tokens=12, stop_ids=(), length_penalty=0.8, repetition_penalty=1.3,
                     no_repeat_ngram_size=2)
     eager = bt.beam_search(m, ctxs, bc, batch_size=3, decode_step="eager")
-    rec = ReplayRecorder()
+    rec = ReplayRecorder(next(m.parameters()).device)
     out, static = captured_search(m, ctxs, bc, 3, rec)
-    assert out == eager
+    assert out == eager and len(rec.devices) == 2  # one recording per shape, each handed the model's device
     assert static.captures == len(static.graphs) == len(static.caches) == 2  # (12, 32) and (4, 32)
     assert rec.replays == 3 * (bc.max_new_tokens - 1)  # every step of the 3 batches (no stop ids: all 12 tokens)
     cache = next(iter(static.caches.values()))

@@ -15,56 +15,58 @@ import torch
 import lora_core as lc
 
 
-class _Stream:
-    def __init__(self, cuda, device=None, **_):
-        self.device = cuda.index(device)
-
-    def wait_stream(self, other):
-        pass
-
-
 class FakeCuda:
-    """``torch.cuda``'s device, stream and graph calls, on a CPU: a ``Stream()`` or
-    ``CUDAGraph()`` made without a device belongs to the current one, ``stream(s)`` makes
-    ``s`` current on ``s``'s device only, ``graph(g)`` captures on ``stream=`` or on a stream
-    of the device current when it was made (torch/cuda/graphs.py). A kernel on a tensor of
-    device ``d`` goes to ``d``'s current stream: ``launch(d)`` notes whether that stream is
-    being captured."""
+    """``torch.cuda``'s device, stream and graph calls, on a CPU, deciding as torch does which
+    device each belongs to: a ``Stream()`` or ``CUDAGraph()`` made without a device belongs to
+    the current one; ``stream(s)`` makes ``s`` current on ``s``'s device only; ``graph(g)``
+    captures on its ``stream=``, else on a stream of the current device (torch/cuda/graphs.py).
+    A kernel on a tensor of device ``d`` goes to ``d``'s current stream: ``launch(d)`` notes
+    which stream that is (``default``, ``side`` or ``captured``)."""
 
     def __init__(self, current: int = 0):
-        self.current, self.current_streams, self.capturing, self.launches = current, {}, None, []
+        self.current, self.defaults, self.streams, self.capturing = current, {}, {}, None
+        self.graphs, self.launches = [], []
         fake = self
+
+        class Stream:
+            def __init__(self, device=None, **_):
+                self.device = fake.index(device)
+
+            def wait_stream(self, other):
+                pass
 
         class CUDAGraph:
             def __init__(self):
-                self.device, self.replayed_on = fake.current, []
+                self.device, self.captured_on, self.replayed_on = fake.current, None, []
+                fake.graphs.append(self)
 
             def replay(self):
                 self.replayed_on.append(fake.current)
 
         class graph:
             def __init__(self, g, pool=None, stream=None, **_):
-                self.g, self.stream = g, stream if stream is not None else _Stream(fake)
+                self.g, self.capture_stream = g, stream if stream is not None else Stream()
 
             def __enter__(self):
-                self.ctx = fake.stream(self.stream)
+                self.ctx = fake.stream(self.capture_stream)
                 self.ctx.__enter__()
-                fake.capturing = self.stream
-                self.g.captured_on = (fake.current, self.stream.device)
+                fake.capturing = self.capture_stream
+                self.g.captured_on = (fake.current, self.capture_stream.device)  # capture_begin
 
             def __exit__(self, *exc):
                 fake.capturing = None
                 self.ctx.__exit__(*exc)
 
-        self.CUDAGraph, self.graph = CUDAGraph, graph
-        self.Stream = lambda device=None, **kw: _Stream(fake, device, **kw)
+        self.Stream, self.CUDAGraph, self.graph = Stream, CUDAGraph, graph
 
     def index(self, device) -> int:
-        return self.current if device is None else torch.device(device).index
+        if device is None or isinstance(device, int):
+            return self.current if device is None else device
+        return torch.device(device).index
 
     def current_stream(self, device=None):
         d = self.index(device)
-        return self.current_streams.setdefault(d, _Stream(self, d))
+        return self.streams.get(d) or self.defaults.setdefault(d, self.Stream(d))
 
     @contextlib.contextmanager
     def device(self, device):
@@ -76,59 +78,56 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def stream(self, s):
-        before = self.current_stream(s.device)
-        self.current_streams[s.device] = s
+        before = self.streams.get(s.device)
+        self.streams[s.device] = s
         try:
             yield
         finally:
-            self.current_streams[s.device] = before
+            self.streams[s.device] = before
 
-    def launch(self, device: int) -> str:
+    def launch(self, device: int) -> None:
         s = self.current_stream(device)
-        kind = "captured" if s is self.capturing else "default" if s is self.current_streams.get(-1) else "side"
+        kind = "captured" if s is self.capturing else "default" if s is self.defaults[device] else "side"
         self.launches.append((device, kind))
-        return kind
 
 
-def _patched(monkeypatch, fake: FakeCuda) -> None:
+def _fake_cuda(monkeypatch, current: int) -> FakeCuda:
+    fake = FakeCuda(current)
     for name in ("CUDAGraph", "graph", "Stream", "current_stream", "device", "stream"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
 
 
 @pytest.mark.parametrize("current", [0, 1])
 def test_cuda_graph_recorder_records_on_the_model_device(monkeypatch, current):
     """The model on cuda:1, cuda:``current`` current: the warm-ups run on a side stream of
-    cuda:1, the recording captures the step's kernels (on cuda:1's capture stream, cuda:1
-    current), replays run with cuda:1 current, and the current device is left as it was."""
+    cuda:1, the recording captures the step's kernels (cuda:1 current, on a capture stream of
+    cuda:1), replays run with cuda:1 current, and the current device is left as it was."""
     from backends.torch._captured_decode import CUDAGraphRecorder
 
-    fake = FakeCuda(current)
-    _patched(monkeypatch, fake)
-    fake.current_streams[-1] = fake.current_stream(1)  # cuda:1's default stream, to tell it apart
+    fake = _fake_cuda(monkeypatch, current)
     out = torch.zeros(3)
     replay, got = CUDAGraphRecorder().record(lambda: (fake.launch(1), out)[1], torch.device("cuda:1"))
+    (graph,) = fake.graphs
     assert got is out and fake.current == current
     assert fake.launches == [(1, "side"), (1, "side"), (1, "captured")], fake.launches
-    graph = replay.__closure__ and next(c.cell_contents for c in replay.__closure__
-                                        if isinstance(c.cell_contents, fake.CUDAGraph))
     assert graph.device == 1 and graph.captured_on == (1, 1), vars(graph)
     replay()
     assert graph.replayed_on == [1] and fake.current == current
 
 
-def test_fake_cuda_shows_a_capture_on_the_current_device_records_nothing(monkeypatch):
-    """The stand-in tells the bug apart: the recording as it was before issue 25 (stream and
-    graph made with no device) captures none of a cuda:1 step's kernels."""
-    fake = FakeCuda(0)
-    _patched(monkeypatch, fake)
+def test_fake_cuda_shows_why_a_bare_recording_misses_another_gpu(monkeypatch):
+    """The stand-in reproduces issue 25's failure, so the test above can fail: recorded as
+    before the fix (a stream and a graph made with no device, cuda:0 current), a cuda:1 step's
+    kernels all run on cuda:1's default stream, none is captured."""
+    fake = _fake_cuda(monkeypatch, 0)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fake.launch(1)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fake.launch(1)
-    assert g.captured_on == (0, 0) and [k for _, k in fake.launches] == ["side", "side"][:0] + ["side", "side"] \
-        or fake.launches[-1][1] != "captured", fake.launches
+    assert fake.launches == [(1, "default"), (1, "default")] and g.captured_on == (0, 0)
 
 
 @pytest.mark.gpu
@@ -137,6 +136,8 @@ def test_captured_decode_on_the_second_gpu_gives_the_eager_beams():
     """On cuda:1 (cuda:0 current), the step captured once per shape decodes the eager step's
     beams, and the CPU's."""
     from test_beam import captured_search
+
+    from backends.torch._captured_decode import CUDAGraphRecorder
 
     bt = lc.get_backend("torch")
     cfg = lc.gpt2_config("tiny")
@@ -152,5 +153,5 @@ def test_captured_decode_on_the_second_gpu_gives_the_eager_beams():
     eager = bt.beam_search(model, ctxs, bc, batch_size=3, decode_step="eager")
     assert bt.beam_search(model, ctxs, bc, batch_size=3, decode_step="captured") == eager == cpu
     out, static = captured_search(model, ctxs, bc, 3)
-    assert out == eager and static.captures == 2 and isinstance(static.recorder, object)
+    assert out == eager and static.captures == 2 and isinstance(static.recorder, CUDAGraphRecorder)
     assert torch.cuda.current_device() == 0

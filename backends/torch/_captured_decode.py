@@ -98,14 +98,16 @@ class StaticKVCache:
 class StaticDecoder:
     """The decode steps of one ``beam_search`` call: a :class:`StaticKVCache` per shape, and on
     CUDA the step captured once per shape (``graphs``: the recordings by shape, ``caches``:
-    the buffers of the shapes met). ``recorder``: how a step is captured (``record(fn) -> (replay, out)``; default
-    :class:`CUDAGraphRecorder` on CUDA, none on a CPU: each step runs op by op)."""
+    the buffers of the shapes met). ``recorder``: how a step is captured (``record(fn, device) ->
+    (replay, out)``, ``device``: the model's; default :class:`CUDAGraphRecorder` on CUDA, none
+    on a CPU: each step runs op by op)."""
 
     def __init__(self, model, max_new_tokens: int, recorder=None):
         self.model, self.slots = model, max_new_tokens
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
         self.graphs: dict[tuple[int, int], tuple[Callable[[], object], torch.Tensor]] = {}
-        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
         self.recorder = recorder if recorder is not None else CUDAGraphRecorder() if on_cuda else None
 
     def start(self, past, repeats: int, mask: np.ndarray) -> StaticKVCache:
@@ -162,24 +164,35 @@ class StaticDecoder:
         reorder moves zeros, and each run writes the same keys and values at slot 0)."""
         if cache.s != 0:
             raise RuntimeError(f"captured decode step: a shape first met at step {cache.s}, not 0")
-        return self.recorder.record(lambda: self._run(cache))
+        return self.recorder.record(lambda: self._run(cache), self.device)
 
 
 class CUDAGraphRecorder:
     """Records a step as a ``torch.cuda.CUDAGraph``: two warm-up runs on a side stream (as
-    capture needs), then the recording, which executes nothing. ``record(fn) -> (replay,
-    out)``: each ``replay()`` runs the recorded kernels again and rewrites ``out`` in place."""
+    capture needs), then the recording, which executes nothing. ``record(fn, device) ->
+    (replay, out)``: each ``replay()`` runs the recorded kernels again and rewrites ``out`` in
+    place. Everything happens with ``device`` (the model's GPU) current and on a stream made on
+    it: a bare ``torch.cuda.Stream()`` or ``CUDAGraph()`` (and ``torch.cuda.graph``'s own
+    capture stream) belongs to the current device, and a capture on another device's stream
+    records none of the step's kernels (they run at once, and every replay would give back
+    the first step's logits)."""
 
     warmups = 2
 
-    def record(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], object], torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmups):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph.replay, out
+    def record(self, fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], object], torch.Tensor]:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmups):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out = fn()
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay, out
