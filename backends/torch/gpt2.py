@@ -238,7 +238,8 @@ class GPT2LMModel(nn.Module):
         x = self.drop(self.wte(ids.reshape(-1).index_select(0, tok)) + self.wpe(tok % T))
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for block in self.h:
-            x = _checkpointed(block, x, (tok, pad, B, T)) if recompute else block(x, None, None, (tok, pad, B, T))[0]
+            unpad = (tok, pad, B, T)
+            x = checkpointed(block, x, None, None, unpad) if recompute else block(x, None, None, unpad)[0]
         return self.ln_f(x)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -275,8 +276,8 @@ class GPT2LMModel(nn.Module):
         return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
 
 
-def _checkpointed(block, x: torch.Tensor, unpad) -> torch.Tensor:
-    """``block``'s output on the real tokens ``x`` (N, E) without keeping its activations:
+def checkpointed(block, x: torch.Tensor, *args) -> torch.Tensor:
+    """``block(x, *args)[0]`` on the real tokens ``x`` (N, E) without keeping its activations:
     ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
     framework dropout repeats; numpy parity masks are replayed by ``ReplayMasks``)."""
     layers = [m for m in block.modules()  # a ``fixed`` source (a compiled step's) repeats itself
@@ -289,7 +290,7 @@ def _checkpointed(block, x: torch.Tensor, unpad) -> torch.Tensor:
             r.start()
             m.mask_source = r
         try:
-            return block(h, None, None, unpad)[0]
+            return block(h, *args)[0]
         finally:
             for m, src in zip(layers, sources):
                 m.mask_source = src

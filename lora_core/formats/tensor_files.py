@@ -53,8 +53,8 @@ def read_safetensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, n
 
     ``mmap``: the arrays are copy-on-write memory maps of the file (the library checks the
     header first), so processes that load the same frozen base share its pages in the page
-    cache instead of each reading a private copy; files with a dtype numpy lacks (BF16) are
-    read by ``safetensors.numpy.load_file`` instead. Only for files nobody rewrites in place
+    cache instead of each reading a private copy. BF16 tensors (numpy has no bfloat16) are
+    widened to float32 copies, exactly (a bf16 value is the top half of an fp32 one). Only for files nobody rewrites in place
     while the arrays are in use (a base checkpoint): the maps follow the file."""
     from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
@@ -66,28 +66,43 @@ def read_safetensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, n
             maps = _memory_maps(path)
             if maps is not None:
                 return maps
+        with safe_open(str(path), framework="numpy") as f:
+            f.keys()
+        if _has_bf16(path):
+            return {k: np.array(v) for k, v in _memory_maps(path).items()}
         return load_file(str(path))
     except SafetensorError as e:
         why = diagnose_safetensors(path) or f"unreadable safetensors file ({e})"
         raise CheckpointError(f"{path}: {why}") from e
 
 
-def _memory_maps(path) -> dict[str, np.ndarray] | None:
+def _header(path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
-    if any(v["dtype"] not in _MMAP_DTYPES for v in header.values()):
+    return n, header
+
+
+def _has_bf16(path) -> bool:
+    return any(v["dtype"] == "BF16" for v in _header(path)[1].values())
+
+
+def _memory_maps(path) -> dict[str, np.ndarray] | None:
+    n, header = _header(path)
+    if any(v["dtype"] not in _MMAP_DTYPES and v["dtype"] != "BF16" for v in header.values()):
         return None
     out = {}
     for name, v in header.items():
         start, end = v["data_offsets"]
-        dtype, shape = np.dtype(_MMAP_DTYPES[v["dtype"]]).newbyteorder("<"), tuple(v["shape"])
+        bf16 = v["dtype"] == "BF16"
+        dtype, shape = np.dtype(np.uint16 if bf16 else _MMAP_DTYPES[v["dtype"]]).newbyteorder("<"), tuple(v["shape"])
         if end == start:
-            out[name] = np.zeros(shape, dtype)
-        else:
-            m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
-            out[name] = m.view(np.ndarray).reshape(shape)  # a plain array over the map (kept alive)
+            out[name] = np.zeros(shape, np.float32 if bf16 else dtype)
+            continue
+        m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
+        arr = m.view(np.ndarray).reshape(shape)  # a plain array over the map (kept alive)
+        out[name] = (arr.astype(np.uint32) << 16).view(np.float32) if bf16 else arr
     return out
 
 

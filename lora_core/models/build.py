@@ -36,3 +36,46 @@ def from_pretrained(model_cls, mark_trainable, path, lora=None, adapter=None, tr
     base = {k: v for k, v in tensors.items() if not is_lora_name(k)}
     lora_w = {k: v for k, v in tensors.items() if is_lora_name(k)} or None
     return build_model(model_cls, mark_trainable, cfg, lora, base, lora_w, trainable)
+
+
+def checkpoint_family(path) -> str:
+    """Which model family the checkpoint at ``path`` holds, from its ``config.json``'s
+    ``model_type``: ``"llama"`` (llama, mistral, qwen2), ``"distilbert"``, else ``"gpt2"``
+    (GPT-2's own files, OpenAI's, and ``save_model`` folders)."""
+    from .llama import MODEL_TYPES, model_type_of
+
+    if path is None:
+        return "gpt2"
+    mt = model_type_of(path)
+    return "llama" if mt in MODEL_TYPES else "distilbert" if mt == "distilbert" else "gpt2"
+
+
+def causal_lm_from_pretrained(model_cls, load_adapter, path, adapter=None):
+    """The backends' ``llama_from_pretrained``: ``model_cls(cfg)`` (a backend's
+    ``LlamaForCausalLM``) holding the checkpoint at ``path`` (memory-mapped, copied in one
+    tensor at a time), then the adapter folder ``adapter`` (ours or peft's) through the
+    backend's ``load_adapter(model, adapter)``, which freezes all but what it trains."""
+    from .llama import load_llama_checkpoint
+
+    cfg, tensors = load_llama_checkpoint(path)
+    model = model_cls(cfg)
+    model.load_weights(tensors)
+    del tensors  # the maps: nothing of the file stays referenced
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return model
+
+
+def pretrained_for_family(path, lora, adapter, family_loaders: dict):
+    """Route ``from_pretrained`` to the family's loader (``family_loaders[family](path, adapter)``)
+    when the checkpoint is not GPT-2's; returns None for GPT-2. A GPT-2 ``LoRAConfig``
+    (``lora=``) is refused for other families (use ``inject_lora`` with a ``LoRATargetConfig``)."""
+    family = checkpoint_family(path)
+    if family == "gpt2":
+        return None
+    if lora is not None:
+        raise ValueError(f"{path}: a {family} checkpoint; lora= (GPT-2's LoRAConfig) does not apply: pass "
+                         f"adapter=, or call inject_lora(model, LoRATargetConfig(...)) on the loaded model")
+    if family not in family_loaders:
+        raise ValueError(f"{path}: a {family} checkpoint is not a causal LM: load it with {family}_from_pretrained")
+    return family_loaders[family](path, adapter)

@@ -1,0 +1,263 @@
+"""The Llama family (Llama, Mistral, Qwen2) as a causal LM for PyTorch, with transformers'
+``LlamaForCausalLM`` module and parameter names (spec: ``lora_core.models.llama``).
+
+Contract (same in every backend):
+    ``LlamaForCausalLM(cfg)``; ``model(input_ids, past=None, attention_mask=None,
+    position_ids=None) -> (logits, present)``; ``model.hidden(...) -> (h, present)``;
+    ``model.hidden_unpadded(input_ids, token_index, pad_index) -> (N, E)``;
+    ``model.lm_logits(h)``; ``model.load_weights(tensors)`` (strict); ``load_partial``;
+    ``state_numpy()``; ``decoding(rows)``. The same as ``GPT2LMModel``'s, so the trainer, the
+    KV cache (``KVCache``) and beam search serve both. LoRA goes on with ``inject_lora``
+    (peft names: ``q_proj``, ``v_proj``, ...); a peft adapter trained on transformers' model
+    loads as it is (``peft_module_prefix`` is empty: the names are the same).
+``attention_mask`` (B, T_past + T) marks real tokens with 1; position ids default to
+``cumsum(mask) - 1``. Grouped-query attention: the cache keeps ``num_key_value_heads`` heads;
+a query head ``h`` reads key/value head ``h // kv_groups`` (transformers' ``repeat_kv``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_core.formats.checkpoint import check_tensors
+from lora_core.generate.masks import attention_bias, positions
+from lora_core.lora.layers import decoding_weights
+from lora_core.models.build import causal_lm_from_pretrained
+from lora_core.models.llama import LlamaConfig, check_length, rope_tables
+
+from .gpt2 import KVCache, checkpointed
+from .lora import LoRALinear, linear_decode, pack_weight
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 (transformers' ``LlamaRMSNorm``)."""
+
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dim (``rotate_half`` layout: pairs (i, i + D/2))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        E, D = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.D, self.groups = cfg.num_attention_heads, cfg.num_key_value_heads, D, cfg.kv_groups
+        self.q_proj = LoRALinear(E, self.nh * D, bias=cfg.qkv_bias)
+        self.k_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
+        self.v_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
+        self.o_proj = LoRALinear(self.nh * D, E, bias=cfg.o_bias)
+
+    def forward(self, x, rope, past, bias, unpad=None):
+        """``x`` (B, T, E), or the real tokens (N, E) with ``unpad``; ``rope``: cos, sin laid out
+        as ``x``'s rows (..., D)."""
+        cos, sin = (t.unsqueeze(-2) for t in rope)  # (..., 1, D)
+        lead = x.shape[:-1]
+        q = rotate(self.q_proj(x).view(*lead, self.nh, self.D), cos, sin)
+        k = rotate(self.k_proj(x).view(*lead, self.nkv, self.D), cos, sin)
+        v = self.v_proj(x).view(*lead, self.nkv, self.D)
+        if unpad is not None:  # packed (N, h, D) -> padded (B, T, h, D); pads read an appended zero row
+            token_index, pad_index, B, T = unpad
+            q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, pad_index).view(B, T, *t.shape[1:])
+                       for t in (q, k, v))
+        B, T = q.shape[0], q.shape[1]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
+        if isinstance(past, tuple) and not isinstance(past[0], torch.Tensor):  # a cache object: (cache, layer)
+            y = self._grouped(lambda qg, bg: past[0].attend(past[1], qg, k, v, bg), q, bias)
+            present = None
+        else:
+            if past is not None:
+                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            present = (k, v)
+            if bias is None:  # no past, no padding: plain causal attention
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
+            else:
+                y = self._grouped(lambda qg, bg: _attend(qg, k, v, bg), q, bias)
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.D)
+        if unpad is not None:  # back to the real tokens only
+            y = y.reshape(B * T, -1).index_select(0, unpad[0])
+        return self.o_proj(y), present
+
+    def _grouped(self, attend, q, bias):
+        """``attend`` with each key/value head's ``groups`` query heads as extra query rows:
+        q (B, nh, T, D) -> (B, nkv, groups * T, D), the mask repeated to match."""
+        if self.groups == 1:
+            return attend(q, bias)
+        B, _, T, D = q.shape
+        y = attend(q.reshape(B, self.nkv, self.groups * T, D), bias.repeat(1, 1, self.groups, 1))
+        return y.reshape(B, self.nh, T, D)
+
+
+def _attend(q, k, v, bias):
+    att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / q.shape[-1] ** 0.5) + bias, dim=-1)
+    return att @ v
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        E, F_ = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = LoRALinear(E, F_, bias=cfg.mlp_bias)
+        self.up_proj = LoRALinear(E, F_, bias=cfg.mlp_bias)
+        self.down_proj = LoRALinear(F_, E, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, past, bias, unpad=None):
+        a, present = self.self_attn(self.input_layernorm(x), rope, past, bias, unpad)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM (see module docstring)."""
+
+    peft_module_prefix = ""  # our module names are transformers' LlamaForCausalLM's
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else LoRALinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.decode_head = None
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each layer in the backward pass
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables, grown on demand
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (pos.shape + (D,)) at the positions ``pos``: one table lookup per step (the
+        table comes from the spec's ``rope_tables`` and grows when a longer sequence needs it)."""
+        need = int(pos.max()) + 1 if pos.numel() else 1
+        dev = self.model.embed_tokens.weight.device
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != dev:
+            n = min(max(need, 256, 0 if self._rope is None else 2 * self._rope[0].shape[0]),
+                    self.config.max_position_embeddings)
+            self._rope = tuple(torch.from_numpy(t).to(dev) for t in rope_tables(self.config, max(n, need)))
+        dt = self.model.embed_tokens.weight.dtype
+        return tuple(t.index_select(0, pos.reshape(-1)).view(*pos.shape, -1).to(dt) for t in self._rope)
+
+    def decoding(self, rows: int = 80):
+        """Weights prepared for no-grad inference inside the block (each projection's weight with
+        its LoRA update added, pre-packed for oneDNN on CPU); parameters untouched."""
+        head = (lambda: self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head.merged_weight
+        return decoding_weights(self, pack_weight, torch.no_grad, rows, head)
+
+    def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nkv, T_all, D),
+        or ``past`` itself, advanced in place, when it is a ``KVCache``."""
+        dev = self.model.embed_tokens.weight.device
+        ids = _tensor(input_ids).to(dev)
+        B, T = ids.shape
+        cache = past if isinstance(past, KVCache) else None
+        t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
+        check_length(self.config, t_past + T)
+        mask = None if attention_mask is None else _np(attention_mask)
+        if position_ids is None:
+            position_ids = positions(mask, B, T, t_past)
+        bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past)).to(dev)
+        rope = self.rope(_tensor(position_ids).to(dev))
+        x = self.model.embed_tokens(ids)
+        present = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, rope, None if past is None else (cache, i) if cache else past[i], bias)
+            present.append(kv)
+        if cache:
+            cache.advance(T)
+            present = cache
+        return self.model.norm(x), present
+
+    def hidden_unpadded(self, input_ids, token_index, pad_index) -> torch.Tensor:
+        """Final hidden states (N, E) of the real tokens of a right-padded batch (positions
+        0..len-1 per row): norms, projections and MLP on the N real tokens only, attention on
+        the padded (B, T) layout; indices as ``lora_core.data.batching.collate`` makes them."""
+        dev = self.model.embed_tokens.weight.device
+        ids = _tensor(input_ids).to(dev)
+        B, T = ids.shape
+        check_length(self.config, T)
+        tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
+        rope = self.rope(tok % T)
+        x = self.model.embed_tokens(ids.reshape(-1).index_select(0, tok))
+        unpad = (tok, pad, B, T)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]
+        return self.model.norm(x)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.decode_head is not None:
+            return linear_decode(h, self.decode_head, None)
+        return h @ self.model.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(h)
+
+    def forward(self, input_ids, past=None, attention_mask=None, position_ids=None):
+        h, present = self.hidden(input_ids, past, attention_mask, position_ids)
+        return self.lm_logits(h), present
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict, partial: bool = False) -> None:
+        """Copy numpy tensors (memory maps welcome: converted one at a time) into every
+        parameter (strict), or (``partial``) into those named."""
+        params = dict(self.named_parameters())
+        check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if not partial or n in tensors})
+        for n in tensors:
+            params[n].copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+
+    def load_partial(self, tensors: dict) -> None:
+        """Copy a subset (an adapter); every name must exist with its shape."""
+        self.load_weights(tensors, partial=True)
+
+    def state_numpy(self) -> dict:
+        """numpy copies of every parameter, canonical names."""
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
+
+
+def llama_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | None = None):
+    """A Llama-family model from a transformers checkpoint folder (``model.safetensors``,
+    sharded safetensors with an index, ``pytorch_model.bin`` or its sharded form), optionally
+    with an adapter folder (ours or peft's); see ``lora_core.models.build.causal_lm_from_pretrained``."""
+    from .inject import load_lora_adapter
+
+    return causal_lm_from_pretrained(LlamaForCausalLM, load_lora_adapter, path, adapter)
+
+
+def _np(x):
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _tensor(x):
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+
+
+__all__ = ["LlamaForCausalLM", "llama_from_pretrained"]
