@@ -1,0 +1,335 @@
+"""The Llama family (llama, llama3 RoPE scaling, mistral, qwen2) in both backends against
+``transformers`` (and ``peft``), built as tiny random models saved in the test: config reading,
+every checkpoint layout (sharded and not, safetensors and bin), logits padded and unpadded,
+LoRA gradients vs peft, jittor vs torch LoRA training, greedy and beam decoding vs
+``generate``, peft adapters both ways, and bad input refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close, to_numpy
+
+import lora_core as lc
+from lora_core.data.batching import collate
+from lora_core.formats.tensor_files import CheckpointError
+from lora_core.generate.beam import BeamConfig
+from lora_core.models import llama as spec
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V = 96
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+KINDS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
+    "llama3-tied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, rope_scaling=LLAMA3, rope_theta=500000.0, tie_word_embeddings=True)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**dict(SMALL, num_key_value_heads=1),
+                                                                                  head_dim=16, sliding_window=64)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),
+}
+# how each kind is saved: unsharded safetensors, sharded safetensors, pytorch_model.bin, sharded bin
+LAYOUTS = {"llama": ("5GB", True), "llama3-tied": ("30KB", True), "mistral": ("5GB", False), "qwen2": ("30KB", False)}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _randomize(model, seed):
+    """Non-trivial norms and biases (transformers initialises them to 1 and 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") or n.endswith(".bias"):
+                p.copy_(1.0 * (n.endswith("norm.weight")) + 0.1 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (transformers model, its checkpoint folder)."""
+    root = tmp_path_factory.mktemp("llama")
+    out = {}
+    for i, (kind, make) in enumerate(KINDS.items()):
+        torch.manual_seed(i)
+        hf = make().eval()
+        _randomize(hf, i)
+        shard, safe = LAYOUTS[kind]
+        hf.save_pretrained(root / kind, max_shard_size=shard)
+        if not safe:
+            _to_bin(hf, root / kind, sharded=shard != "5GB")
+        out[kind] = (hf, root / kind)
+    return out
+
+
+def _to_bin(hf, d, sharded):
+    """The ``torch.save`` layouts older transformers wrote (transformers 5 saves only
+    safetensors): ``pytorch_model.bin``, or shards with ``pytorch_model.bin.index.json``."""
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    if not sharded:
+        torch.save(sd, d / "pytorch_model.bin")
+        return
+    names = list(sd)
+    parts = [names[i::3] for i in range(3)]
+    weight_map = {}
+    for i, part in enumerate(parts):
+        fname = f"pytorch_model-{i + 1:05d}-of-00003.bin"
+        torch.save({k: sd[k] for k in part}, d / fname)
+        weight_map.update({k: fname for k in part})
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _ids(seed=0, B=3, T=19):
+    ids = np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 12:] = 0
+    mask[2, 7:] = 0
+    return ids, mask
+
+
+def test_checkpoint_layouts_are_the_ones_asked(checkpoints):
+    names = {k: sorted(p.name for p in d.iterdir()) for k, (_, d) in checkpoints.items()}
+    assert "model.safetensors" in names["llama"]
+    assert "model.safetensors.index.json" in names["llama3-tied"] and len(names["llama3-tied"]) > 4
+    assert "pytorch_model.bin" in names["mistral"]
+    assert "pytorch_model.bin.index.json" in names["qwen2"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_config_from_transformers(checkpoints, kind):
+    hf, d = checkpoints[kind]
+    cfg = spec.LlamaConfig.from_hf_json(d / "config.json")
+    assert cfg.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert cfg.kv_groups == hf.config.num_attention_heads // hf.config.num_key_value_heads
+    assert cfg.tie_word_embeddings == (kind == "llama3-tied")
+    assert cfg.qkv_bias == (kind in ("llama", "qwen2")) and cfg.o_bias == (kind == "llama")
+    # the RoPE frequencies transformers computes (default and llama3)
+    rot = hf.model.rotary_emb
+    assert_close(f"llama rope inv_freq {kind}", spec.rope_inv_freq(cfg), rot.inv_freq, 1e-7)
+    # our config.json round-trips through transformers
+    back = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
+    assert spec.LlamaConfig.from_hf_dict(back.to_dict()) == cfg
+
+
+def test_v4_config_json_with_rope_scaling(tmp_path):
+    """Llama 3.2's published config.json (transformers 4.x keys: rope_theta + rope_scaling)."""
+    d = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu",
+             rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = spec.LlamaConfig.from_hf_json(tmp_path / "config.json")
+    assert cfg == spec.PRESETS["llama-3.2-1b"].__class__(**{**spec.PRESETS["llama-3.2-1b"].to_dict(),
+                                                           "bos_token_id": 1, "eos_token_id": 2})
+    ref = transformers.LlamaConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](ref, "cpu")
+    assert_close("llama rope inv_freq llama3 (3.2-1B config)", spec.rope_inv_freq(cfg), inv, 1e-7)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_logits_match_transformers(backend, checkpoints, kind):
+    hf, d = checkpoints[kind]
+    model = backend.from_pretrained(d)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    ids, mask = _ids()
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits
+        ref_pad = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    ours, _ = model(ids)
+    assert_close(f"llama logits vs transformers ({kind})", to_numpy(ours), ref, 1e-5)
+    ours_pad, _ = model(ids, attention_mask=mask)
+    keep = mask.astype(bool)
+    assert_close(f"llama logits vs transformers, padded ({kind})", to_numpy(ours_pad)[keep], ref_pad.numpy()[keep], 1e-5)
+    # the training path: real tokens only
+    batch = collate([(list(r[:1]), list(r[1:m.sum()]) + [0]) for r, m in zip(ids, mask)])
+    h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])
+    assert_close(f"llama unpadded logits vs transformers ({kind})", to_numpy(model.lm_logits(h)),
+                 ref_pad.numpy()[keep], 1e-5)
+
+
+def _lm_batch(seed=3):
+    ids, mask = _ids(seed)
+    return collate([(list(r[:1]), list(r[1:m.sum()]) + [int(r[0])]) for r, m in zip(ids, mask)])
+
+
+@pytest.mark.parametrize("kind", ["llama3-tied", "qwen2"])
+def test_lora_gradients_match_peft(backend, checkpoints, kind):
+    """LoRA on all seven projections (B non-zero) : loss and every LoRA gradient vs peft's."""
+    hf, d = checkpoints[kind]
+    tc = lc.LoRATargetConfig(r=4, alpha=8.0, target_modules=PROJ, seed=5)
+    model = backend.from_pretrained(d)
+    backend.inject_lora(model, tc)
+    rng = np.random.default_rng(1)
+    vals = {n: (rng.normal(0, 0.2, p.shape) if "lora_B" in n else to_numpy(p)).astype(np.float32)
+            for n, p in backend.trainable_parameters(model).items()}
+    model.load_partial(vals)
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJ)))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.from_numpy(vals[_ours(n)]))
+    batch = _lm_batch()
+    loss = backend.lm_loss(model, batch)
+    grads = _grads(backend, model, loss)
+    pm.train()
+    logits = pm(torch.from_numpy(batch["input_ids"])).logits.reshape(-1, V)
+    ref_loss = torch.nn.functional.cross_entropy(logits[torch.from_numpy(batch["loss_index"])],
+                                                 torch.from_numpy(batch["targets"]))
+    ref_loss.backward()
+    assert_close(f"llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss.item(), 1e-6)
+    ref_grads = {_ours(n): p.grad for n, p in pm.named_parameters() if p.requires_grad}
+    assert set(grads) == set(ref_grads)
+    worst = max(assert_close(f"llama LoRA grad vs peft ({kind})", grads[n], ref_grads[n], 1e-5) for n in grads)
+    assert worst <= 1e-5
+
+
+def _ours(peft_name: str) -> str:
+    """peft's parameter name -> ours (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A``)."""
+    return peft_name.replace("base_model.model.", "", 1).replace(".default.weight", "")
+
+
+def _grads(backend, model, loss):
+    params = backend.trainable_parameters(model)
+    if backend.NAME == "torch":
+        loss.backward()
+        return {n: p.grad.numpy() for n, p in params.items()}
+    import jittor as jt
+
+    gs = jt.grad(loss, list(params.values()))
+    return {n: g.numpy() for n, g in zip(params, gs)}
+
+
+@pytest.fixture(scope="module")
+def torch_curve(checkpoints):
+    return _train_curve(lc.get_backend("torch"), checkpoints["qwen2"][1])
+
+
+def _train_curve(bk, d, steps=20):
+    from lora_core.train.optim import AdamWConfig
+
+    model = bk.from_pretrained(d)
+    bk.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+                                              seed=2))
+    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig(weight_decay=0.01))
+    losses = [bk.train_step(model, opt, [_lm_batch(s % 4)], 2e-3, max_grad_norm=1.0)["loss"] for s in range(steps)]
+    return np.array(losses), {n: to_numpy(p) for n, p in bk.trainable_parameters(model).items()}
+
+
+def test_jittor_matches_torch_over_20_lora_updates(checkpoints, torch_curve):
+    bj = pytest.importorskip("lora_core").get_backend("jittor")
+    loss_t, w_t = torch_curve
+    loss_j, w_j = _train_curve(bj, checkpoints["qwen2"][1])
+    assert loss_t[-1] < loss_t[0]  # it learns
+    assert_close("llama jittor vs torch: 20-update LoRA loss curve", loss_j, loss_t, 1e-5)
+    for n in w_t:
+        assert_close("llama jittor vs torch: LoRA weights after 20 updates", w_j[n], w_t[n], 1e-5)
+
+
+def _hf_generate(hf, ctx, **kw):
+    out = hf.generate(torch.tensor([ctx]), attention_mask=torch.ones(1, len(ctx), dtype=torch.long), do_sample=False,
+                      max_new_tokens=10, eos_token_id=None, pad_token_id=0, **kw)
+    return out[0, len(ctx):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_and_beam_match_generate(backend, checkpoints, kind):
+    """KV-cached decoding, contexts of different lengths batched (left-padded inside) vs
+    ``generate`` on each context alone: greedy and 3-beam outputs identical."""
+    hf, d = checkpoints[kind]
+    model = backend.from_pretrained(d)
+    rng = np.random.default_rng(4)
+    ctxs = [rng.integers(1, V, n).tolist() for n in (5, 9, 3)]
+    greedy = backend.beam_search(model, ctxs, BeamConfig(beam=1, max_new_tokens=10, no_repeat_ngram_size=0,
+                                                         stop_ids=()), batch_size=3)
+    assert greedy == [_hf_generate(hf, c) for c in ctxs]
+    beams = backend.beam_search(model, ctxs, BeamConfig(beam=3, max_new_tokens=10, no_repeat_ngram_size=0,
+                                                        stop_ids=()), batch_size=3)
+    assert beams == [_hf_generate(hf, c, num_beams=3) for c in ctxs]
+
+
+def test_peft_adapter_both_ways(backend, checkpoints, tmp_path):
+    hf, d = checkpoints["llama"]
+    ids, _ = _ids(6)
+    # peft -> ours
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                               init_lora_weights=False)).eval()
+    pm.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        ref = pm(torch.from_numpy(ids)).logits
+    ours = backend.from_pretrained(d, adapter=tmp_path / "peft")
+    assert_close("llama peft adapter -> ours: logits", to_numpy(ours(ids)[0]), ref, 1e-5)
+    # ours -> peft
+    model = backend.from_pretrained(d)
+    backend.inject_lora(model, lc.LoRATargetConfig(r=2, alpha=4.0, target_modules=("v_proj", "gate_proj", "o_proj")))
+    rng = np.random.default_rng(2)
+    model.load_partial({n: rng.normal(0, 0.3, p.shape).astype(np.float32)
+                        for n, p in backend.trainable_parameters(model).items()})
+    backend.save_lora_adapter(model, tmp_path / "ours", format="peft")
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
+    with torch.no_grad():
+        ref = theirs(torch.from_numpy(ids)).logits
+    assert_close("llama our adapter -> peft: logits", to_numpy(model(ids)[0]), ref, 1e-5)
+
+
+def test_bad_configs_refused_by_name(tmp_path):
+    base = dict(model_type="llama", **SMALL)
+    for change, words in (({"model_type": "falcon"}, "model_type 'falcon'"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+                          ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                          ({"num_key_value_heads": 3}, "num_key_value_heads=3")):
+        with pytest.raises(ValueError, match=words):
+            spec.LlamaConfig.from_hf_dict({**base, **change})
+    cfg = spec.llama_config("tiny-mistral")
+    with pytest.raises(ValueError, match="sliding_window=64"):
+        spec.check_length(cfg, 65)
+
+
+def test_damaged_checkpoints_name_the_file(checkpoints, tmp_path):
+    import shutil
+
+    src = checkpoints["llama3-tied"][1]
+    d = tmp_path / "sharded"
+    shutil.copytree(src, d)
+    shards = sorted(d.glob("model-*.safetensors"))
+    # a shard cut short
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=shards[1].name):
+        spec.load_llama_checkpoint(d)
+    # a shard missing
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"shard {shards[1].name} is missing"):
+        spec.load_llama_checkpoint(d)
+    # a tensor of the wrong shape, and one missing (strict, both listed)
+    one = tmp_path / "one"
+    shutil.copytree(checkpoints["llama"][1], one)
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(one / "model.safetensors")
+    t["model.norm.weight"] = np.ones(7, np.float32)
+    del t["model.layers.1.mlp.up_proj.weight"]
+    save_file(t, one / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        spec.load_llama_checkpoint(one)
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and "model.norm.weight: file (7,)" in str(e.value)
+
+
+def test_presets_have_the_published_sizes():
+    """Parameter counts of the real models (Meta's model cards: 1.24B, 3.21B, 8.03B)."""
+    counts = {k: sum(int(np.prod(s)) for s in spec.base_shapes(spec.PRESETS[k]).values())
+              for k in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")}
+    assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
+    assert round(counts["llama-3.2-3b"] / 1e9, 2) == 3.21
+    assert round(counts["llama-3.1-8b"] / 1e9, 2) == 8.03
