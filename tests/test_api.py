@@ -6,7 +6,7 @@ import inspect
 
 import lora_core as lc
 
-MODULES = ("lora", "gpt2", "distilbert", "optim", "train", "generate", "distributed")
+MODULES = ("lora", "gpt2", "distilbert", "optim", "train", "generate", "distributed", "llama")
 
 
 def _sig(f):

@@ -51,8 +51,13 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
 
 
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
-    """Load a GPT-2 checkpoint, optionally with an adapter (ours or peft's); see ``lora_core.models.build.from_pretrained``."""
-    _ensure_gpu_ok()  # before reading the checkpoint (GPT2LMModel's constructor checks too)
+    """Load a checkpoint of any causal-LM family (GPT-2, or Llama/Mistral/Qwen2 by its
+    ``config.json``), optionally with an adapter (ours or peft's); see
+    ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``."""
+    _ensure_gpu_ok()  # before reading the checkpoint (the models' constructors check too)
+    other = _build.pretrained_for_family(path, lora, adapter, {"llama": llama_from_pretrained})
+    if other is not None:
+        return other
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
 
@@ -71,6 +76,8 @@ __all__ = [
 from .classify import cls_eval, cls_loss, cls_predict, cls_train_step  # noqa: E402
 from .distilbert import DistilBertForSequenceClassification, distilbert_from_pretrained  # noqa: E402
 from .inject import inject_lora, load_lora_adapter, mark_only_lora_trainable, save_lora_adapter  # noqa: E402
+from .llama import LlamaForCausalLM, llama_from_pretrained  # noqa: E402
 
 __all__ += ["DistilBertForSequenceClassification", "cls_eval", "cls_loss", "cls_predict", "cls_train_step", "distilbert_from_pretrained",
-            "inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter"]
+            "inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter",
+            "LlamaForCausalLM", "llama_from_pretrained"]
