@@ -17,7 +17,21 @@ from lora_core.train.buckets import bucket_shape, pad_to_bucket
 from .lora import LoRALinear
 from .precision import autocast
 
-RECOMPILE_LIMIT = 64  # compiled graphs kept per model (dynamo's default, 8, is too few for the buckets)
+# Compilations allowed beyond one per bucket met (dynamo's default limit): a switch between
+# train and eval mode, a change of dropout layout. dynamo's own limits (8 per function, 256 in
+# all) are too few for the buckets of a run (DART at batch 8: 95 over its 5 epochs), and with
+# fullgraph=True going past them is a hard FailOnRecompileLimitHit, not a fall-back to eager.
+RECOMPILE_HEADROOM = 8
+_buckets_met = 0  # by every CompiledLoss of the process (they share _bucket_loss's compile cache)
+
+
+def _allow_compiles(n: int) -> None:
+    """Raise dynamo's recompile limits (per function and in all) to at least ``n``."""
+    config = torch._dynamo.config
+    names = ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, "recompile_limit") else \
+        ("cache_size_limit", "accumulated_cache_size_limit")
+    for name in names:
+        setattr(config, name, max(getattr(config, name), n))
 
 
 class _FixedMask:
@@ -50,7 +64,10 @@ def _bucket_loss(model, holders, masks, ids, tok, pad, loss_index, targets, weig
 
 class CompiledLoss:
     """``lm_loss`` through ``torch.compile`` (``backend``: a dynamo backend name, ``inductor``
-    for real runs); ``graphs`` counts the compilations, ``buckets`` the shapes met."""
+    for real runs); ``graphs`` counts the compilations, ``buckets`` the shapes met. Each new
+    bucket raises dynamo's recompile limits to the buckets met so far (in the process) plus
+    ``RECOMPILE_HEADROOM``: the limit follows the buckets a run reaches, and still stops a
+    step that recompiles within a bucket."""
 
     def __init__(self, backend: str = "inductor", length_multiple: int = 32):
         inner = lookup_backend(backend)
@@ -61,13 +78,15 @@ class CompiledLoss:
             self.graphs += 1
             return inner(gm, example_inputs)
 
-        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
         self.fn = torch.compile(_bucket_loss, backend=counting, fullgraph=True, dynamic=False)
 
     def __call__(self, model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
+        global _buckets_met
         shape = bucket_shape(batch, model.config.n_positions, self.length_multiple)
-        self.buckets.add(shape)
+        if shape not in self.buckets:
+            self.buckets.add(shape)
+            _buckets_met += 1
+            _allow_compiles(_buckets_met + RECOMPILE_HEADROOM)
         padded = pad_to_bucket(batch, shape)
         dev = next(model.parameters()).device
         t = {k: torch.from_numpy(v).to(dev) for k, v in padded.items()}
