@@ -333,3 +333,19 @@ def test_presets_have_the_published_sizes():
     assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(counts["llama-3.2-3b"] / 1e9, 2) == 3.21
     assert round(counts["llama-3.1-8b"] / 1e9, 2) == 8.03
+
+
+def test_lora_on_embeddings_head_rslora_and_patterns_loads_from_peft(backend, checkpoints, tmp_path):
+    """peft LoRA on ``embed_tokens`` and ``lm_head`` too, rsLoRA, per-module ranks and alphas:
+    the adapter loads into our model with peft's logits."""
+    hf, d = checkpoints["llama"]
+    pcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj", "embed_tokens", "lm_head"],
+                           rank_pattern={"up_proj": 2}, alpha_pattern={"lm_head": 3}, use_rslora=True,
+                           init_lora_weights=False)
+    pm = peft.get_peft_model(copy.deepcopy(hf), pcfg).eval()
+    pm.save_pretrained(tmp_path / "peft")
+    ids, _ = _ids(8)
+    with torch.no_grad():
+        ref = pm(torch.from_numpy(ids)).logits
+    ours = backend.from_pretrained(d, adapter=tmp_path / "peft")
+    assert_close("llama peft adapter (embeddings, head, rsLoRA, patterns) -> ours", to_numpy(ours(ids)[0]), ref, 1e-5)

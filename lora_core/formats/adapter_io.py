@@ -129,6 +129,13 @@ def load(
         wpath = path / "adapter_model.bin"
     raw = read_tensors(wpath)
     keys = {pf.peft_key(n, inj.plans, module_prefix): n for n in expected}
+    # peft also saves the base weights of targeted embedding layers (``save_embedding_layers``,
+    # e.g. a resized vocabulary): when present they replace the model's, as peft loads them
+    for m in inj.plans:
+        key = f"{pf.KEY_PREFIX}{module_prefix}{m}.base_layer.weight"
+        if key in raw and f"{m}.weight" in param_shapes:
+            keys[key] = f"{m}.weight"
+            expected = dict(expected, **{f"{m}.weight": tuple(param_shapes[f"{m}.weight"])})
     check_tensors(wpath, raw, {k: expected[n] for k, n in keys.items()})
     return {keys[k]: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()}
 
