@@ -1,0 +1,374 @@
+"""Speed and memory of causal-LM LoRA training and greedy decoding on a Llama shape: ours-torch,
+ours-jittor and transformers + peft, on the same random weights and the same batches.
+
+Command (``docs/bench/lm_llama-bench_<hash>.txt``)::
+
+    python -m examples.lm.bench --steps 3 --new-tokens 32 --json out.json
+    # smoke run: --shape tiny-llama --steps 1 --new-tokens 4 --block 16
+
+The parent draws the base weights once (``init_llama_weights``, seed 0) and writes them as a
+transformers checkpoint folder (``config.json`` from ``LlamaConfig.to_hf_dict``,
+``model.safetensors``) in a temporary folder, with two LoRA files of ours' seeded initial
+values (``init_lora_arrays``: ``lora_A`` kaiming-uniform, ``lora_B`` zeros for training;
+``lora_B`` normal(0, 0.02) for decoding, so that the adapter changes the tokens whose
+equality is checked). Every system loads those files: ours with ``bk.from_pretrained`` +
+``inject_lora`` (r 8, alpha 16 on q, k, v, o) + ``load_partial``; ``hf-peft`` with
+``AutoModelForCausalLM.from_pretrained(dtype=float32)`` + ``peft.get_peft_model`` (the same r,
+alpha, targets, dropout 0) with the values copied in. Each (system, task) runs in its own
+process (``examples.bench_worker.spawn``) with ``--threads`` threads; repeats rotate the order.
+
+Training: ``--batch`` rows of ``--block`` tokens (packed random blocks from a seeded numpy
+RNG, no padding; every token is a loss position), AdamW (ours' defaults, lr 2e-4), one
+untimed warm-up update, then ``--steps`` timed updates; tokens/s is batch x block over the
+median step time. FLOPs per trained token, from ``count_flops_per_token(cfg, block)`` (forward:
+``matmul`` M = every projection and the LM head, ``attention`` A = QK^T and AV) and the LoRA
+products L = 2 r (in + out) per adapted projection::
+
+    forward F = M + A + L
+    backward: the frozen weights need only the input gradient (1 x M, no weight gradient);
+    attention's two products have two activation inputs (2 x A); LoRA's A, B and input (2 x L)
+    LoRA step = 2 M + 3 A + 3 L   (~ 2 F; full fine-tuning would be 3 F)
+
+GFLOP/s is that count x tokens/s; ``%peak`` divides it by the CPU's measured fp32 GEMM peak:
+the parent times ``torch.matmul`` (rows = batch x block) x (in, out) for each of the model's
+projection and LM-head shapes with the same thread count, and takes the fastest.
+
+Memory, each worker's own: ``peak RSS`` is ``VmHWM`` (/proc/self/status) at the end of the
+worker (load, warm-up and all timed steps); ``peak private`` is the largest
+``Private_Clean + Private_Dirty`` of /proc/self/smaps_rollup sampled every 20 ms by a thread
+(pages only this process maps: excludes shared libraries' shared pages, includes
+private file mappings); ``Anonymous`` is sampled too and kept in the JSON.
+
+Decoding: ``--batch`` prompts of 32 random tokens, greedy for ``--new-tokens`` tokens with a
+KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: ``generate``
+(do_sample False, no eos), after a 2-token warm-up; ``same`` says whether a system's tokens
+equal hf-peft's (or the first system's without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_weights, llama_config
+
+from ..bench_worker import run_as_worker, spawn
+from ..nlg.bench import _fmt, _names, code_version, log
+from .bench_systems import ALPHA, SEED, TARGETS, R, lora_arrays, make_system, token_rows
+
+SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
+PROMPT_LEN, DECODE_B_STD = 32, 0.02
+PACKAGES = ("torch", "jittor", "transformers", "peft", "bitsandbytes")
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+class MemorySampler:
+    """Largest ``Private_Clean + Private_Dirty`` and ``Anonymous`` (MB) of this process, read
+    from /proc/self/smaps_rollup every ``interval`` s by a daemon thread until ``stop``."""
+
+    def __init__(self, interval: float = 0.02):
+        self.private = self.anon = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        kb = _proc_kb("/proc/self/smaps_rollup")
+        self.private = max(self.private, (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) / 1024)
+        self.anon = max(self.anon, kb.get("Anonymous", 0) / 1024)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        status = _proc_kb("/proc/self/status")
+        return {"peak_rss_mb": status.get("VmHWM", 0) / 1024, "peak_private_mb": self.private,
+                "peak_anon_mb": self.anon, "rss_end_mb": status.get("VmRSS", 0) / 1024}  # fmt: skip
+
+
+def _proc_kb(path: str) -> dict[str, int]:
+    """``Key: N kB`` lines of a /proc file (empty where it cannot be read)."""
+    out = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0])
+    except OSError:
+        pass
+    return out
+
+
+def run_train(spec: dict, mem: MemorySampler) -> dict:
+    cfg, n = _shape(spec), spec["steps"] + 1
+    rows = token_rows(cfg.vocab_size, (n, spec["batch"], spec["block"] + 1), SEED + 1)
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True)
+    batches = [system.prepare(r) for r in rows]
+    times, losses = [], []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        losses.append(system.train_step(batch))
+        times.append(time.perf_counter() - t0)
+        log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i == 0 else 'timed'}): {times[-1]:.3f} s")
+    step_s = statistics.median(times[1:])
+    return {"train_tok_s": spec["batch"] * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
+            "loss": losses, **{"train_" + k: v for k, v in mem.stop().items()},
+            "attn_implementation": getattr(system, "attn_implementation", None)}  # fmt: skip
+
+
+def run_decode(spec: dict, mem: MemorySampler) -> dict:
+    cfg = _shape(spec)
+    prompts = token_rows(cfg.vocab_size, (spec["batch"], PROMPT_LEN), SEED + 2)
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_decode"]), False)
+    t0 = time.perf_counter()
+    system.greedy(prompts, 2)  # warm-up (kernels, caches), excluded
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokens = system.greedy(prompts, spec["new_tokens"])
+    elapsed = time.perf_counter() - t0
+    log(f"{spec['system']} greedy {spec['batch']} x {spec['new_tokens']} tokens: {elapsed:.2f} s")
+    return {"decode_s": elapsed, "decode_ms_tok": 1e3 * elapsed / spec["new_tokens"], "decode_warmup_s": warm,
+            "tokens": tokens, **{"decode_" + k: v for k, v in mem.stop().items()}}  # fmt: skip
+
+
+def run_worker(spec: dict) -> dict:
+    mem = MemorySampler()
+    if spec["system"] != "ours-jittor":
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    out = (run_train if spec["task"] == "train" else run_decode)(spec, mem)
+    out[spec["task"] + "_loadavg_end"] = os.getloadavg()[0]
+    return out
+
+
+def _shape(spec: dict):
+    return llama_config(spec["shape"], **({"num_hidden_layers": spec["layers"]} if spec.get("layers") else {}))
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def write_inputs(cfg, folder: Path) -> dict[str, str]:
+    """The checkpoint folder and the two LoRA files every system loads."""
+    from safetensors.numpy import save_file
+
+    ckpt = folder / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    save_file(init_llama_weights(cfg, SEED), str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    save_file(lora_arrays(cfg), str(folder / "lora_train.safetensors"))
+    save_file(lora_arrays(cfg, DECODE_B_STD), str(folder / "lora_decode.safetensors"))
+    return {"ckpt": str(ckpt), "lora_train": str(folder / "lora_train.safetensors"),
+            "lora_decode": str(folder / "lora_decode.safetensors")}  # fmt: skip
+
+
+def train_flops_per_token(cfg, block: int) -> dict[str, float]:
+    """Forward ``matmul``, ``attention``, ``lora`` and the LoRA step's total (module docstring)."""
+    f = count_flops_per_token(cfg, block)
+    q, kv, e = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size
+    dims = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e)}
+    lora = cfg.num_hidden_layers * sum(2 * R * (dims[t][0] + dims[t][1]) for t in TARGETS)
+    return {**f, "lora": float(lora), "forward": f["matmul"] + f["attention"] + lora,
+            "train_step": 2 * f["matmul"] + 3 * f["attention"] + 3 * lora}  # fmt: skip
+
+
+def gemm_peak(cfg, rows: int, threads: int) -> dict:
+    """GFLOP/s of ``torch.matmul((rows, in), (in, out))`` at each of the model's GEMM shapes
+    (best of repeated runs, at least 0.2 s per shape); ``peak``: the fastest shape."""
+    import torch
+
+    torch.set_num_threads(threads)
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = sorted({(e, q), (e, kv), (q, e), (e, f), (f, e), (e, cfg.vocab_size)})
+    by_shape = {}
+    for fin, fout in shapes:
+        a, w = torch.randn(rows, fin), torch.randn(fin, fout)
+        torch.matmul(a, w)
+        best, spent = float("inf"), 0.0
+        while spent < 0.2 or best == float("inf"):
+            t0 = time.perf_counter()
+            torch.matmul(a, w)
+            dt = time.perf_counter() - t0
+            best, spent = min(best, dt), spent + dt
+        by_shape[f"{fin}x{fout}"] = 2 * rows * fin * fout / best / 1e9
+    top = max(by_shape, key=by_shape.get)
+    return {"rows": rows, "threads": threads, "gflops_by_shape": by_shape, "peak_gflops": by_shape[top], "peak_shape": top}  # fmt: skip
+
+
+def environment() -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), "unknown")  # fmt: skip
+    return {"versions": versions, "cpu": cpu, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
+    """Every (repeat, system, task) in its own process; the system order rotates per repeat."""
+    raw = {s: [] for s in args.systems}
+    for rep in range(args.repeats):
+        order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
+        for system in order:
+            result = {}
+            for task in ("train", "decode"):
+                spec = {"task": task, "system": system, "shape": args.shape, "layers": args.layers,
+                        "batch": args.batch, "block": args.block, "steps": args.steps,
+                        "new_tokens": args.new_tokens, "threads": args.threads, **files}  # fmt: skip
+                log(f"repeat {rep + 1}/{args.repeats} {system} {task}")
+                out = spawn("examples.lm.bench", spec, args.threads)
+                result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
+            raw[system].append(result)
+    return raw
+
+
+# ----------------------------------------------------------------------------- table
+
+KEYS = ("train_tok_s", "median_step_s", "train_peak_rss_mb", "train_peak_private_mb", "train_peak_anon_mb",
+        "decode_s", "decode_ms_tok", "decode_peak_rss_mb", "decode_peak_private_mb", "decode_peak_anon_mb")  # fmt: skip
+RATIOS = (("tok/s", "train_tok_s"), ("peak RSS", "train_peak_rss_mb"), ("peak private", "train_peak_private_mb"),
+          ("decode s", "decode_s"), ("decode RSS", "decode_peak_rss_mb"))  # fmt: skip
+
+
+def medians(runs: list[dict]) -> dict:
+    got = {k: [r[k] for r in runs if r.get(k) is not None] for k in KEYS}
+    return {k: statistics.median(v) if v else None for k, v in got.items()}
+
+
+def same_tokens(raw: dict) -> dict[str, bool | None]:
+    """Per system: every run's greedy tokens equal the reference's (hf-peft's first run, or the
+    first system's with tokens); None without tokens."""
+    ref_system = (
+        "hf-peft"
+        if any("tokens" in r for r in raw.get("hf-peft", []))
+        else next((s for s, runs in raw.items() if any("tokens" in r for r in runs)), None)
+    )
+    if ref_system is None:
+        return {s: None for s in raw}
+    ref = next(r["tokens"] for r in raw[ref_system] if "tokens" in r)
+    return {s: (all(r["tokens"] == ref for r in runs if "tokens" in r) if any("tokens" in r for r in runs) else None)
+            for s, runs in raw.items()}  # fmt: skip
+
+
+def summarise(raw: dict, args, flops: dict, peak: dict, env: dict) -> tuple[str, dict]:
+    cfg = _shape(vars(args))
+    med = {s: medians(runs) for s, runs in raw.items()}
+    same = same_tokens(raw)
+    for s, m in med.items():
+        tok_s = m["train_tok_s"]
+        m["gflops"] = None if tok_s is None else flops["train_step"] * tok_s / 1e9
+        m["peak_fraction"] = None if tok_s is None else m["gflops"] / peak["peak_gflops"]
+        m["same_tokens"] = same[s]
+        m["loss0"] = next((r["loss"][0] for r in raw[s] if "loss" in r), None)
+    v = env["versions"]
+    lines = [f"shape {args.shape} (hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, MLP {cfg.intermediate_size}, "
+             f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}); LoRA r {R} alpha "
+             f"{ALPHA:g} on {','.join(t.removesuffix('_proj') for t in TARGETS)}; batch {args.batch} x block {args.block}; "
+             f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); greedy "
+             f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
+             f"CPU {env['cpu']} ({env['cpus']} CPUs), load average at start {env['loadavg_start'][0]:.2f}; "
+             + ", ".join(f"{k} {v[k] or '-'}" for k in PACKAGES),
+             f"FLOPs per trained token {flops['train_step'] / 1e6:.1f} M (2 matmul {flops['matmul'] / 1e6:.1f} M + 3 "
+             f"attention {flops['attention'] / 1e6:.2f} M + 3 LoRA {flops['lora'] / 1e6:.2f} M; forward "
+             f"{flops['forward'] / 1e6:.1f} M); fp32 GEMM peak {peak['peak_gflops']:.1f} GFLOP/s "
+             f"(torch.matmul {peak['rows']} x {peak['peak_shape']}, {peak['threads']} thread(s))",
+             "",
+             f"{'system':12s} {'tok/s':>8s} {'step s':>7s} {'GFLOP/s':>7s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
+             f"{'loss0':>7s} {'decode s':>8s} {'ms/tok':>7s} {'dec RSS':>7s} {'same':>5s}  errors"]  # fmt: skip
+    for s, m in med.items():
+        errors = sorted({r[k] for r in raw[s] for k in ("train_error", "decode_error") if k in r})
+        frac = None if m["peak_fraction"] is None else 100 * m["peak_fraction"]
+        lines.append(f"{s:12s} {_fmt(m['train_tok_s'], '.1f'):>8s} {_fmt(m['median_step_s'], '.3f'):>7s} "
+                     f"{_fmt(m['gflops'], '.1f'):>7s} {_fmt(frac, '.1f'):>6s} {_fmt(m['train_peak_rss_mb'], '.0f'):>7s} "
+                     f"{_fmt(m['train_peak_private_mb'], '.0f'):>7s} {_fmt(m['loss0'], '.4f'):>7s} "
+                     f"{_fmt(m['decode_s'], '.3f'):>8s} {_fmt(m['decode_ms_tok'], '.1f'):>7s} "
+                     f"{_fmt(m['decode_peak_rss_mb'], '.0f'):>7s} {'-' if same[s] is None else 'yes' if same[s] else 'NO':>5s}"
+                     f"  {'; '.join(errors)}")  # fmt: skip
+    pairs = [(a, "hf-peft") for a in ("ours-torch", "ours-jittor")] + [("ours-jittor", "ours-torch")]
+    pairs = [(a, b) for a, b in pairs if a in med and b in med]
+    ratios = {}
+    if pairs:
+        lines += ["", f"{'ratio':26s}" + "".join(f" {label:>12s}" for label, _ in RATIOS)]
+    for a, b in pairs:
+        row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
+        ratios[f"{a} / {b}"] = row
+        lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
+    return "\n".join(lines), {"medians": med, "ratios": ratios, "same_tokens": same}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return run_as_worker(run_worker, argv[1])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama-bench", choices=sorted(PRESETS), help="a preset of lora_core.models.llama")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--batch", type=int, default=2, help="rows per training batch (and prompts decoded together)")
+    p.add_argument("--block", type=int, default=256, help="tokens per training row (packed, no padding)")
+    p.add_argument("--steps", type=int, default=5, help="timed training updates, after 1 warm-up")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens decoded per prompt")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--threads", type=int, default=1, help="torch and OpenMP threads of every system and the GEMM peak")
+    p.add_argument("--repeats", type=int, default=1, help="runs per system (medians reported)")
+    p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
+    args = p.parse_args(argv)
+    try:
+        args.systems = _names(args.systems, SYSTEMS, "--systems")
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1) < 1:
+        p.error("--layers, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
+    cfg = _shape(vars(args))
+    if max(args.block, PROMPT_LEN + args.new_tokens) > cfg.max_position_embeddings:
+        p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {cfg.max_position_embeddings} positions")
+    t0, version, env = time.perf_counter(), code_version(), environment()
+    flops = train_flops_per_token(cfg, args.block)
+    peak = gemm_peak(cfg, args.batch * args.block, args.threads)
+    with tempfile.TemporaryDirectory(prefix="lm_bench_") as d:
+        raw = run_all(args, write_inputs(cfg, Path(d)))
+    table, summary = summarise(raw, args, flops, peak, env)
+    print(table)
+    print(
+        f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.lm.bench {' '.join(argv)})"
+    )
+    if args.json:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
+        settings["code"] = version
+        out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "raw": raw,
+               "summary": summary}  # fmt: skip
+        args.json.write_text(json.dumps(out, indent=1))
+    return 1 if any(k.endswith("_error") for runs in raw.values() for r in runs for k in r) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

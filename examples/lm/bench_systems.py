@@ -1,0 +1,134 @@
+"""The systems of ``examples.lm.bench``: our backends and transformers + peft behind the same
+calls (``train_step(rows)``, ``greedy(prompts, n)``), each loading the bench's checkpoint
+folder and LoRA file, so that all start from the same weights (see the bench's docstring)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+R, ALPHA, LR, SEED = 8, 16.0, 2e-4, 0
+
+
+def lora_target_config():
+    from lora_core.lora.targeting import LoRATargetConfig
+
+    return LoRATargetConfig(r=R, alpha=ALPHA, target_modules=TARGETS, seed=SEED)
+
+
+def lora_arrays(cfg, b_std: float = 0.0) -> dict[str, np.ndarray]:
+    """Ours' seeded initial LoRA values (``init_lora_arrays``) for ``cfg``'s adapted projections;
+    ``b_std > 0``: ``lora_B`` drawn from normal(0, b_std) instead of zeros (decoding)."""
+    from lora_core.lora.targeting import init_lora_arrays, plan_injection
+    from lora_core.models.llama import base_shapes
+
+    modules = {n.removesuffix(".weight"): ("linear", s[1], s[0]) for n, s in base_shapes(cfg).items()
+               if n.endswith("proj.weight")}  # fmt: skip
+    return init_lora_arrays(plan_injection(modules, lora_target_config()), SEED, b_std)
+
+
+def token_rows(vocab: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random token ids (seeded numpy), the same in every process."""
+    return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int64)
+
+
+class Ours:
+    """``backends.torch`` / ``backends.jittor``: ``from_pretrained``, ``inject_lora``, ``train_step``,
+    greedy ``beam_search`` (beam 1, KV cache, unmerged LoRA)."""
+
+    def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool):
+        from safetensors.numpy import load_file
+
+        import lora_core
+        from lora_core.train.optim import AdamWConfig
+
+        self.bk = bk = lora_core.get_backend(name)
+        self.model = bk.from_pretrained(ckpt)
+        bk.inject_lora(self.model, lora_target_config())
+        self.model.load_partial(load_file(lora_file))
+        if trainable:
+            self.opt = bk.AdamW(bk.trainable_parameters(self.model), AdamWConfig())
+
+    def prepare(self, rows: np.ndarray):
+        from lora_core.data.batching import collate
+
+        return collate([(list(r[:1]), list(r[1:])) for r in rows.tolist()])  # inputs r[:-1], targets r[1:]
+
+    def train_step(self, batch) -> float:
+        return float(self.bk.train_step(self.model, self.opt, [batch], LR)["loss"])
+
+    def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
+        from lora_core.generate.beam import BeamConfig
+
+        cfg = BeamConfig(beam=1, max_new_tokens=n, no_repeat_ngram_size=0, stop_ids=())
+        out = self.bk.beam_search(self.model, prompts.tolist(), cfg, batch_size=len(prompts))
+        return [[int(t) for t in o] for o in out]
+
+
+class HFPeft:
+    """``AutoModelForCausalLM.from_pretrained`` (float32, default attention) + ``peft`` LoRA with
+    ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``."""
+
+    def __init__(self, ckpt: Path, lora_file: Path, trainable: bool):
+        import warnings
+
+        import peft
+        import torch
+        import transformers
+        from safetensors.numpy import load_file
+
+        from lora_core.train.optim import AdamWConfig
+
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
+        transformers.utils.logging.disable_progress_bar()
+        self.torch = torch
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        self.attn_implementation = model.config._attn_implementation
+        model.generation_config.eos_token_id = None  # run every new token, as ours with stop_ids=()
+        lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(TARGETS))
+        self.model = peft.get_peft_model(model, lcfg)
+        values = load_file(lora_file)
+        with torch.no_grad():
+            lora = {n: p for n, p in self.model.named_parameters() if "lora_" in n}
+            names = {n.replace("base_model.model.", "", 1).replace(".default.weight", ""): n for n in lora}
+            if set(names) != set(values):
+                raise RuntimeError(f"peft LoRA names differ from ours: {sorted(set(names) ^ set(values))[:4]}")
+            for ours, theirs in names.items():
+                lora[theirs].copy_(torch.from_numpy(values[ours]))
+        if trainable:
+            c = AdamWConfig()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(params, lr=LR, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+    def prepare(self, rows: np.ndarray):
+        return self.torch.from_numpy(rows[:, :-1].copy()), self.torch.from_numpy(rows[:, 1:].copy())
+
+    def train_step(self, batch) -> float:
+        import torch.nn.functional as F
+
+        ids, targets = batch
+        self.model.train()
+        logits = self.model(input_ids=ids).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
+        torch = self.torch
+        self.model.eval()
+        ids = torch.from_numpy(prompts)
+        with torch.no_grad():
+            seq = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return seq[:, ids.shape[1] :].tolist()
+
+
+def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool):
+    """``ours-torch``, ``ours-jittor`` or ``hf-peft``."""
+    if name == "hf-peft":
+        return HFPeft(ckpt, lora_file, trainable)
+    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable)
