@@ -174,6 +174,58 @@ def test_cli_options_do_not_block_resume(tmp_path):
     assert r.returncode == 2 and "invalid choice: 'fp8'" in r.stderr
 
 
+class _GPUCounter:
+    """A stand-in for a GPU's peak memory counter: ``peak`` (MiB) is what ``peak_gpu_mb``
+    reads; a reset brings it down to ``allocated``, what is held now."""
+
+    def __init__(self, peak: float, allocated: float):
+        self.peak, self.allocated, self.resets = peak, allocated, 0
+
+    def read(self, model):
+        return self.peak
+
+    def reset(self, model):
+        self.peak, self.resets = self.allocated, self.resets + 1
+
+
+def test_each_run_logs_its_own_peak_gpu_memory(backend, tmp_path, monkeypatch):
+    """Issue 25: the counter is the process's (torch's ``max_memory_allocated``), so a second
+    run in a process, or a run after other GPU work, logged the earlier peak; the trainer
+    resets it where a run starts (counter faked: no GPU here)."""
+    counter = _GPUCounter(peak=900.0, allocated=120.0)  # 900: left by earlier work in the process
+    monkeypatch.setattr(backend, "peak_gpu_mb", counter.read)
+    monkeypatch.setattr(backend, "reset_peak_gpu", counter.reset)
+    cfg = lc.gpt2_config("tiny-32")
+    tc = TrainConfig(batch_size=4, max_steps=2, lr=1e-2, warmup=0, seed=0, eval_every=0, save_every=0, log_every=1)
+    for run in ("first", "second"):
+        model = backend.build_model(cfg, tc.lora_config(), lc.init_gpt2_weights(cfg, 0))
+        train(backend, model, _pairs(8), None, tc, tmp_path / run, progress=False)
+        peaks = [x["peak_gpu_mb"] for x in read_log(tmp_path / run / "log.jsonl") if x["kind"] == "train"]
+        assert peaks == [120.0, 120.0], (run, peaks)
+        counter.peak = 900.0  # the next run starts after a higher peak again
+    assert counter.resets == 2
+
+
+def test_torch_reset_peak_gpu_resets_the_model_gpu(monkeypatch):
+    """``reset_peak_gpu`` resets the counter of the model's GPU (``cuda:1`` here: faked) and
+    does nothing on the CPU; ``peak_gpu_mb`` reads that GPU's."""
+    import types
+
+    import torch
+
+    bt = lc.get_backend("torch")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: calls.append(("reset", dev)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: calls.append(("read", dev)) or 3 * 2**20)
+    on_gpu = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda:1"))]))
+    bt.reset_peak_gpu(on_gpu)
+    assert bt.peak_gpu_mb(on_gpu) == 3.0
+    assert calls == [("reset", torch.device("cuda:1")), ("read", torch.device("cuda:1"))]
+    cfg = lc.gpt2_config("tiny-32")
+    bt.reset_peak_gpu(bt.build_model(cfg, None, lc.init_gpt2_weights(cfg)))
+    assert len(calls) == 2
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 
@@ -203,6 +255,28 @@ def test_cuda_training_matches_cpu_and_checkpoints_cross(tmp_path):
     bf16 = run(tmp_path / "bf16", "cuda", "bf16")
     rel = np.abs(np.array([x["loss"] for x in bf16]) - [x["loss"] for x in gpu]) / [x["loss"] for x in gpu]
     assert 0 < rel.max() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="no CUDA GPU")
+def test_cuda_second_run_in_a_process_logs_its_own_peak(tmp_path):
+    """A run with a large batch, then one with a small batch in the same process: the second
+    logs its own, smaller peak GPU memory (before issue 25 it logged the first run's)."""
+    bt = lc.get_backend("torch")
+    cfg = lc.gpt2_config("tiny", n_positions=512)
+
+    def run(out, batch_size, length):
+        tc = TrainConfig(batch_size=batch_size, max_steps=2, lr=1e-2, warmup=0, seed=0, eval_every=0, save_every=0,
+                         log_every=1)
+        model = bt.build_model(cfg, tc.lora_config(), lc.init_gpt2_weights(cfg, 0))
+        bt.to_device(model, "cuda")
+        pairs = [(c * (length // len(c) + 1))[:length] for c, _ in _pairs(2 * batch_size, V=cfg.vocab_size)]
+        train(bt, model, [(c, c[:8]) for c in pairs], None, tc, out, progress=False)
+        del model
+        return max(x["peak_gpu_mb"] for x in read_log(out / "log.jsonl") if x["kind"] == "train")
+
+    big, small = run(tmp_path / "big", 32, 480), run(tmp_path / "small", 2, 16)
+    assert 0 < small < big / 4, (small, big)
 
 
 @pytest.mark.gpu

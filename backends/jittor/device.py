@@ -43,4 +43,8 @@ def peak_gpu_mb(model) -> float | None:
     return None
 
 
-__all__ = ["peak_gpu_mb", "to_device"]
+def reset_peak_gpu(model) -> None:
+    """Nothing: jittor keeps no peak GPU memory counter."""
+
+
+__all__ = ["peak_gpu_mb", "reset_peak_gpu", "to_device"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lora_core.models import build as _build
 
 from .compile import set_compile
-from .device import peak_gpu_mb, to_device
+from .device import peak_gpu_mb, reset_peak_gpu, to_device
 from .distributed import (
     all_reduce_sum,
     data_parallel,
@@ -57,7 +57,7 @@ __all__ = [
     # data parallelism (backends/*/distributed.py)
     "all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group",
     # device, precision, activation checkpointing, compiled step (device.py, precision.py, model.py, compile.py)
-    "peak_gpu_mb", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",
+    "peak_gpu_mb", "reset_peak_gpu", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",
 ]
 
 # LoRA for any model (lora_core.lora.targeting / injection / peft_format)

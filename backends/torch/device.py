@@ -3,7 +3,9 @@
 Contract (same in every backend): ``to_device(model, device="auto") -> str`` places the model
 and returns the device it resolved to (``cpu`` or ``cuda:N``); batches, optimizer state and
 beam-search caches follow the parameters. ``peak_gpu_mb(model)``: the framework's peak GPU
-memory counter in MiB when the model is on a GPU, else ``None``.
+memory counter in MiB when the model is on a GPU, else ``None``; ``reset_peak_gpu(model)``
+starts that counter again (the trainer calls it where a run starts, the benchmark where a
+phase starts), so that a run reports its own peak, not the process's.
 """
 
 from __future__ import annotations
@@ -32,4 +34,12 @@ def peak_gpu_mb(model) -> float | None:
     return round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
 
 
-__all__ = ["peak_gpu_mb", "to_device"]
+def reset_peak_gpu(model) -> None:
+    """``torch.cuda.reset_peak_memory_stats`` of the model's GPU (the peak becomes what is
+    allocated now); nothing on the CPU."""
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+__all__ = ["peak_gpu_mb", "reset_peak_gpu", "to_device"]

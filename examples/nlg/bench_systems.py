@@ -120,6 +120,9 @@ class Ours:
     def peak_gpu_mb(self) -> float | None:
         return self.be.peak_gpu_mb(self.model)
 
+    def reset_peak_gpu(self) -> None:
+        self.be.reset_peak_gpu(self.model)
+
     def compiled_graphs(self) -> int | None:
         """Graphs the compiled training step built (one per length bucket), ``None`` when eager."""
         compiled = getattr(self.model, "compiled_loss", None)
@@ -190,6 +193,10 @@ class HFPeft:
         if not self.device.startswith("cuda"):
             return None
         return round(self.torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+
+    def reset_peak_gpu(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.reset_peak_memory_stats(self.device)
 
     def compiled_graphs(self) -> None:
         return None  # HF+PEFT runs eager, as its documentation shows

@@ -286,6 +286,7 @@ class Trainer:
         if cfg.dropout_masks == "numpy":
             masks = ShardedDropout(cfg.seed) if self.dp is not None else NumpyDropout(cfg.seed)
         be.set_dropout_source(model, masks)
+        be.reset_peak_gpu(model)  # the run's own peak in log.jsonl, not the process's
         try:
             return self._loop(pairs, valid, total, per_epoch, kill_after, masks)
         finally:
