@@ -22,7 +22,7 @@ import numpy as np
 
 from .tensor_files import CheckpointError, read_json, read_tensors
 
-__all__ = ["WEIGHT_FILES", "find_weights", "read_hf_weights"]
+__all__ = ["WEIGHT_FILES", "find_weights", "read_hf_weights", "write_hf_checkpoint"]
 
 # In transformers' order of preference.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -66,3 +66,19 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
             )
         out.update(tensors)
     return out
+
+
+def write_hf_checkpoint(folder: str | os.PathLike, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """A checkpoint folder transformers' ``from_pretrained`` reads: ``config.json`` (``config``,
+    e.g. ``LlamaConfig.to_hf_dict()``) and ``model.safetensors`` (float32 tensors under
+    transformers' names, ``{"format": "pt"}`` metadata as transformers writes), each written
+    atomically (a kill leaves no half-written file under the final name)."""
+    import json
+
+    from .checkpoint import write_json_atomic, write_safetensors_atomic
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+    write_safetensors_atomic(folder / "model.safetensors", arrays, metadata={"format": "pt"})
+    write_json_atomic(folder / "config.json", json.loads(json.dumps(config)))

@@ -35,7 +35,8 @@ from ..models.gpt2 import LoRAConfig
 from .optim import AdamWConfig
 from .precision import LossScaleConfig, check_precision
 
-__all__ = ["TrainConfig", "Recipe", "RECIPES", "ClassifierRecipe", "CLS_RECIPES", "get_recipe", "apply_overrides"]
+__all__ = ["TrainConfig", "Recipe", "RECIPES", "ClassifierRecipe", "CLS_RECIPES", "CausalLMRecipe", "LM_RECIPES",
+           "get_recipe", "apply_overrides"]
 
 
 def _check(cond: bool, cls: str, name: str, value, what: str) -> None:
@@ -276,12 +277,50 @@ CLS_RECIPES: dict[str, ClassifierRecipe] = {
 }
 
 
+@dataclass(frozen=True)
+class CausalLMRecipe:
+    """A causal-LM recipe on packed text blocks (``examples.lm``; ``LMTask`` with injected
+    LoRA): how to train (``train``; its GPT-2 ``lora_*`` fields are not used), which modules
+    get LoRA (``lora``, peft ``LoraConfig`` semantics) and the block size of the data."""
+
+    name: str
+    train: TrainConfig
+    lora: LoRATargetConfig
+    block_size: int = 512
+
+
+# The Llama-3.2-3B study on wikitext-2-raw: LoRA r=8, alpha 16, dropout 0.05 on q, k, v, o;
+# batch 4 of 512-token blocks, 2 epochs. What it leaves to transformers' Trainer defaults is
+# spelled out: AdamW lr 2e-4, linear decay without warm-up, no weight decay, clipping at 1.0,
+# Adam eps 1e-8, seed 42, no label smoothing.
+_CLM = dict(batch_size=4, epochs=2, lr=2e-4, warmup=0, weight_decay=0.0, adam_eps=1e-8, label_smooth=0.0,
+            max_grad_norm=1.0, seed=42, eval_every=500, eval_batch_size=4, save_every=500, log_every=10)
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+LM_RECIPES: dict[str, CausalLMRecipe] = {
+    "wikitext2-llama": CausalLMRecipe("wikitext2-llama", TrainConfig(**_CLM),
+                                      LoRATargetConfig(r=8, alpha=16.0, dropout=0.05, target_modules=_QKVO, seed=42)),
+    # the 30B study's adaptation (r=64, alpha 128 on all seven projections)
+    "wikitext2-llama-r64": CausalLMRecipe(
+        "wikitext2-llama-r64", TrainConfig(**_CLM),
+        LoRATargetConfig(r=64, alpha=128.0, dropout=0.05, target_modules=(*_QKVO, "gate_proj", "up_proj", "down_proj"),
+                         seed=42)),
+    # the CPU demo and tests: small blocks, parity mode (both backends draw the same dropout masks)
+    "lm-demo": CausalLMRecipe(
+        "lm-demo",
+        TrainConfig(**dict(_CLM, epochs=1, lr=1e-3, eval_every=20, save_every=20, log_every=5, seed=0,
+                           dropout_masks="numpy")),
+        LoRATargetConfig(r=4, alpha=8.0, dropout=0.05, target_modules=("q_proj", "v_proj"), seed=0), block_size=64),
+}
+
+
 def get_recipe(name: str) -> Recipe | ClassifierRecipe:
     """A recipe by name (``e2e-medium``, ``webnlg-large``, ``toy``, ``sst2-distilbert``, ...)."""
     if name in CLS_RECIPES:
         return CLS_RECIPES[name]
+    if name in LM_RECIPES:
+        return LM_RECIPES[name]
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(RECIPES) + sorted(CLS_RECIPES)}")
+        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(RECIPES) + sorted(CLS_RECIPES) + sorted(LM_RECIPES)}")
     return RECIPES[name]
 
 

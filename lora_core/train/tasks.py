@@ -31,7 +31,7 @@ from ..lora.injection import injection_of
 from .distributed import Comm, shard_range
 from .run_dir import fingerprint
 
-__all__ = ["ClassificationTask", "GPT2AdapterFiles", "InjectedAdapterFiles", "LMTask", "task_for"]
+__all__ = ["ClassificationTask", "GPT2AdapterFiles", "InjectedAdapterFiles", "LMTask", "max_positions", "task_for"]
 
 
 # --------------------------------------------------------------------------- adapter files
@@ -99,15 +99,26 @@ def _all_reduce(comm: Comm | None, values: list[float]) -> list[float]:
     return values
 
 
+def max_positions(model) -> int:
+    """How many positions the model attends over (GPT-2's ``n_positions``, the Llama
+    family's ``max_position_embeddings``)."""
+    cfg = model.config
+    return cfg.n_positions if hasattr(cfg, "n_positions") else cfg.max_position_embeddings
+
+
 class LMTask:
-    """Causal LM on ``(context_ids, completion_ids)`` pairs (or ``read_encoded`` records)."""
+    """Causal LM on ``(context_ids, completion_ids)`` pairs, ``read_encoded`` records, or
+    packed text blocks ``{"ids": block}`` (``examples.lm.prepare``: every token after the
+    first is a target, as ``(block[:1], block[1:])``). A GPT-2 with its built-in LoRA, or any
+    causal LM with injected LoRA (``inject_lora``: a Llama-family model)."""
 
     name = "lm"
     loss = "lm"  # the backends' data-parallel loss (``data_parallel(model, loss)``)
     sharded_dropout_masks = True  # parity-mode masks work on several processes (ShardedDropout)
 
     def examples(self, raw) -> list[tuple[list[int], list[int]]]:
-        return [(e["context"], e["completion"]) if isinstance(e, dict) else (e[0], e[1]) for e in raw]
+        return [((e["ids"][:1], e["ids"][1:]) if "ids" in e else (e["context"], e["completion"]))
+                if isinstance(e, dict) else (e[0], e[1]) for e in raw]
 
     def check(self, examples, model) -> None:
         V = model.config.vocab_size
@@ -119,8 +130,8 @@ class LMTask:
             )
 
     def check_config(self, cfg, model) -> None:
-        if cfg.pad_to is not None and cfg.pad_to > model.config.n_positions:
-            raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's n_positions={model.config.n_positions}")
+        if cfg.pad_to is not None and cfg.pad_to > max_positions(model):
+            raise ValueError(f"pad_to={cfg.pad_to} exceeds the model's {max_positions(model)} positions")
 
     def fingerprint(self, examples) -> str:
         return fingerprint(examples)
@@ -131,15 +142,20 @@ class LMTask:
         return len(t), len(c) + len(t) - 1
 
     def collate(self, examples, cfg, model) -> dict:
-        return collate_pairs(examples, pad_to=cfg.pad_to, max_len=model.config.n_positions)
+        return collate_pairs(examples, pad_to=cfg.pad_to, max_len=max_positions(model))
 
     def train_step(self, backend, model, optimizer, micro: list[dict], lr: float, cfg) -> dict:
         return backend.train_step(model, optimizer, micro, lr, cfg.label_smooth, cfg.max_grad_norm)
 
     def describe(self, model) -> dict:
-        return {"model": model.config.to_dict(), "lora": model.lora_config.to_dict()}
+        inj = injection_of(model)
+        lora = inj.config if inj is not None else model.lora_config
+        return {"model": model.config.to_dict(), "lora": lora.to_dict()}
 
-    def adapter_files(self, backend, model, base: str | None) -> GPT2AdapterFiles:
+    def adapter_files(self, backend, model, base: str | None) -> GPT2AdapterFiles | InjectedAdapterFiles:
+        if injection_of(model) is not None:
+            shapes = {n: tuple(v.shape) for n, v in backend.lora_state_dict(model).items()}
+            return InjectedAdapterFiles(injection_of(model), shapes, base)
         return GPT2AdapterFiles(model.config, model.lora_config, base)
 
     def evaluate(self, backend, model, examples, batch_size: int, cfg=None, comm: Comm | None = None) -> dict:
@@ -147,7 +163,7 @@ class LMTask:
         pad_to = getattr(cfg, "pad_to", None)
         total, count = 0.0, 0
         for idx in _length_order_shards([len(c) + len(t) for c, t in examples], batch_size, comm):
-            batch = collate_pairs([examples[i] for i in idx], pad_to=pad_to, max_len=model.config.n_positions)
+            batch = collate_pairs([examples[i] for i in idx], pad_to=pad_to, max_len=max_positions(model))
             nll, n = backend.eval_nll(model, batch)
             total, count = total + nll, count + n
         total, count = _all_reduce(comm, [total, count])

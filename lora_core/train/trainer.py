@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from ..lora.dropout import NumpyDropout
+from ..lora.injection import injection_of
 from ..lora.layers import lora_layers
 from ..progress import step_bar
 from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
@@ -149,8 +150,10 @@ class Trainer:
         task=None,
     ):
         self.task = task or task_for(model)
-        if isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None:
-            raise ValueError("the model has no LoRA config: build it with lora=cfg.lora_config()")
+        if isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None \
+                and injection_of(model) is None:
+            raise ValueError("the model has no LoRA: build a GPT-2 with lora=cfg.lora_config(), or call "
+                             "inject_lora(model, LoRATargetConfig(...)) first")
         self.task.check_config(cfg, model)
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()

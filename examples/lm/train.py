@@ -1,0 +1,154 @@
+"""LoRA-train a causal LM (a Llama-family checkpoint, or GPT-2) on packed text blocks, in
+either backend.
+
+Reads the output of ``examples.lm.prepare`` (``train.jsonl``, ``valid.jsonl``, ``meta.json``),
+loads the base (``--init-checkpoint``: a transformers checkpoint folder, any layout; or
+``--random-init PRESET`` of ``lora_core.models.llama`` / GPT-2 with ``--save-base``), injects
+the recipe's LoRA (peft semantics, ``lora_core.train.recipes.LM_RECIPES``) and trains with
+``lora_core.train.trainer``: the run folder of the other train commands (``log.jsonl``,
+``ckpt-N/`` adapters in our format, ``latest``, ``--resume``), validation NLL and perplexity::
+
+    python -m examples.lm.train --backend torch --recipe wikitext2-llama \\
+        --prepared out/wikitext2-llama --init-checkpoint Llama-3.2-3B/ --out-dir runs/wt2-llama
+    python -m examples.lm.train ... --out-dir runs/wt2-llama --resume             # after a kill
+    python -m examples.lm.train ... --set train.lr=1e-4 lora.r=16 lora.target_modules=q_proj,v_proj
+    python -m examples.lm.train --recipe lm-demo --prepared out/lm-demo --random-init tiny-llama \\
+        --vocab-size 512 --save-base --out-dir runs/lm-demo
+    torchrun --nproc_per_node 2 -m examples.lm.train --backend torch ...     # data parallel
+    mpirun -np 2 python -m examples.lm.train --backend jittor ...
+
+Refused before any training: a tokenizer (``meta.json``) with more tokens than the model's
+vocabulary, blocks longer than the model's positions, an adapter recipe whose targets match
+no module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import lora_core
+from lora_core.data.nlg import read_jsonl
+from lora_core.data.text import check_tokenizer_fits
+from lora_core.device import DEVICE_CHOICES
+from lora_core.formats.hf_checkpoint import write_hf_checkpoint
+from lora_core.formats.tensor_files import read_json
+from lora_core.models import llama as llama_spec
+from lora_core.train.distributed import run_job
+from lora_core.train.precision import PRECISIONS
+from lora_core.train.recipes import LM_RECIPES, apply_overrides
+from lora_core.train.tasks import LMTask, max_positions
+from lora_core.train.trainer import train
+
+RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
+
+
+def read_prepared(prepared: Path) -> tuple[list[dict], list[dict], dict]:
+    """The blocks of ``examples.lm.prepare`` and its ``meta.json``."""
+    meta_path = prepared / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: no such file (run examples.lm.prepare first)")
+    meta = read_json(meta_path)
+    out = []
+    for split in ("train", "valid"):
+        path = prepared / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file (run examples.lm.prepare first)")
+        recs = read_jsonl(path)
+        if not recs:
+            raise ValueError(f"{path}: no blocks (empty file)")
+        for i, r in enumerate(recs, 1):
+            ids = r.get("ids")
+            if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError(f"{path}: line {i}: 'ids' must be a list of at least 2 token ids")
+        out.append(recs)
+    return out[0], out[1], meta
+
+
+def build(backend, args):
+    """The base model and a note of where it came from."""
+    if args.init_checkpoint:
+        return backend.from_pretrained(args.init_checkpoint), str(args.init_checkpoint)
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    if args.random_init in llama_spec.PRESETS:
+        cfg = llama_spec.llama_config(args.random_init, **overrides)
+        weights = llama_spec.init_llama_weights(cfg, args.init_seed)
+        model = backend.LlamaForCausalLM(cfg)
+        model.load_weights(weights)
+        if args.save_base:
+            write_hf_checkpoint(Path(args.out_dir) / "base", cfg.to_hf_dict(), weights)
+    else:
+        cfg = lora_core.gpt2_config(args.random_init, **overrides)
+        weights = lora_core.init_gpt2_weights(cfg, args.init_seed)
+        model = backend.build_model(cfg, None, base=weights)
+        if args.save_base:
+            lora_core.save_model(Path(args.out_dir) / "base", cfg, weights)
+    return model, f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
+
+
+def check_fits(model, meta: dict, blocks: list[dict], prepared: Path) -> None:
+    """The data was made for this model: its tokenizer's ids fit the vocabulary and its
+    blocks fit the positions."""
+    check_tokenizer_fits(int(meta["vocab_size"]), model.config.vocab_size,
+                         f"{prepared / 'meta.json'}: the tokenizer {meta.get('tokenizer')}")
+    longest = max(len(b["ids"]) for b in blocks) - 1  # the model reads block[:-1]
+    if longest > max_positions(model):
+        raise ValueError(f"{prepared}: blocks of {longest + 1} tokens exceed the model's {max_positions(model)} "
+                         f"positions: prepare with a smaller --block-size")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.lm.train", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
+    p.add_argument("--recipe", default="wikitext2-llama", choices=sorted(LM_RECIPES))
+    p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.lm.prepare")
+    init = p.add_mutually_exclusive_group(required=True)
+    init.add_argument("--init-checkpoint", type=Path, help="a transformers checkpoint folder (Llama family or GPT-2)")
+    init.add_argument("--random-init", choices=RANDOM_PRESETS, help="a random base of this preset")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of --random-init weights")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size of a --random-init model")
+    p.add_argument("--save-base", action="store_true", help="write the --random-init base to OUT/base")
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
+    p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
+    p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="recompute each layer in the backward pass")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    resume.add_argument("--resume-from", type=Path, help="continue from this OUT/ckpt-N (after a damaged latest)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+    args = p.parse_args(argv)
+    if args.vocab_size and not args.random_init:
+        p.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
+
+    def body(job) -> str:
+        recipe = apply_overrides(LM_RECIPES[args.recipe], args.overrides)
+        cfg = recipe.train
+        if args.max_steps is not None:
+            cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
+        if args.precision is not None:
+            cfg = dataclasses.replace(cfg, precision=args.precision)
+        train_blocks, valid_blocks, meta = read_prepared(args.prepared)
+        backend = lora_core.get_backend(args.backend)
+        comm = job.start(backend, args.dist_timeout)
+        model, note = build(backend, args)
+        check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
+        backend.inject_lora(model, recipe.lora)
+        backend.to_device(model, args.device)
+        backend.set_grad_checkpoint(model, args.grad_checkpoint)
+        summary = train(backend, model, train_blocks, valid_blocks, cfg, args.out_dir, resume=args.resume,
+                        resume_from=args.resume_from, progress=not args.no_progress, base_note=note,
+                        kill_after=args.stop_after, comm=comm, task=LMTask())
+        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+
+    return run_job(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
