@@ -125,3 +125,26 @@ def test_train_refuses_mismatched_tokenizer_and_long_blocks(prepared):
     r = _run("examples.lm.train", "--backend", "torch", "--recipe", "lm-demo", "--prepared", long, "--random-init",
              "tiny-llama", "--vocab-size", _vocab(out), "--set", "train.batch_size=2", "--out-dir", root / "too-long", ok=False)
     assert r.returncode == 1 and "exceed the model's 128 positions" in r.stderr
+
+
+def test_evaluate_and_generate_after_training(prepared):
+    """The trained adapter on its saved base: the same perplexity in both backends as the
+    trainer's last validation, and the same greedy continuation."""
+    root, out = prepared
+    run = root / "torch"
+    if not (run / "ckpt-6").is_dir():
+        _train("torch", root, out, "torch", "--save-base")
+    last = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if "valid_nll" in ln][-1]
+    res = {}
+    for be in ("torch", "jittor"):
+        r = _run("examples.lm.evaluate", "--backend", be, "--base", run / "base", "--adapter", run, "--prepared", out,
+                 "--json", root / f"eval-{be}.json")
+        res[be] = json.loads((root / f"eval-{be}.json").read_text())
+        assert "perplexity" in r.stdout
+    assert abs(res["torch"]["nll"] - last["valid_nll"]) <= 1e-5 * last["valid_nll"]
+    assert abs(res["jittor"]["nll"] - res["torch"]["nll"]) <= 1e-5 * res["torch"]["nll"]
+    tok = json.loads((out / "meta.json").read_text())["tokenizer"]
+    gen = {be: _run("examples.lm.generate", "--backend", be, "--base", run / "base", "--adapter", run / "ckpt-6",
+                    "--tokenizer", tok, "--prompt", "The restaurant", "--prompt", "It is",
+                    "--max-new-tokens", 8).stdout for be in ("torch", "jittor")}
+    assert gen["torch"] == gen["jittor"] and gen["torch"].startswith("The restaurant")

@@ -1,0 +1,68 @@
+"""Continue prompts with a causal LM (base + optional adapter), greedy or beam search with a
+KV cache, in either backend::
+
+    python -m examples.lm.generate --backend jittor --base Llama-3.2-3B/ --adapter runs/wt2-llama \\
+        --tokenizer Llama-3.2-3B/ --prompt "The history of" --max-new-tokens 40
+    python -m examples.lm.generate ... --beam 4 --prompts-file prompts.txt   # one prompt a line
+
+Generation stops at the tokenizer's end-of-text token or after ``--max-new-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lora_core
+from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer
+from lora_core.generate.beam import BeamConfig
+from lora_core.train.run_dir import find_checkpoint
+
+
+def generate(backend_name: str | None, base: Path, adapter: Path | None, tokenizer: Path, prompts: list[str],
+             max_new_tokens: int = 40, beam: int = 1, device: str = "auto") -> list[str]:
+    """The continuation of each prompt (text)."""
+    backend = lora_core.get_backend(backend_name)
+    tok = load_text_tokenizer(tokenizer)
+    if adapter is not None and (adapter / "latest").exists():
+        adapter = find_checkpoint(adapter)
+    model = backend.from_pretrained(base, adapter=adapter)
+    check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
+    backend.to_device(model, device)
+    contexts = [tok.encode(p) for p in prompts]
+    empty = [i for i, c in enumerate(contexts) if not c]
+    if empty:
+        raise ValueError(f"prompt {empty[0] + 1} is empty")
+    cfg = BeamConfig(beam=beam, max_new_tokens=max_new_tokens, no_repeat_ngram_size=0, stop_ids=(tok.eos_id,))
+    outs = backend.beam_search(model, contexts, cfg, batch_size=min(8, len(contexts)))
+    return [tok.decode([t for t in o if t != tok.eos_id]) for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.lm.generate", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
+    p.add_argument("--base", required=True, type=Path, help="the base checkpoint folder")
+    p.add_argument("--adapter", type=Path, help="a checkpoint of examples.lm.train, its run folder, or a peft adapter")
+    p.add_argument("--tokenizer", required=True, type=Path, help="as for examples.lm.prepare")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", type=Path, help="UTF-8 text, one prompt a line")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--beam", type=int, default=1, help="1: greedy")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    try:
+        prompts = args.prompt or [ln for ln in args.prompts_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        outs = generate(args.backend, args.base, args.adapter, args.tokenizer, prompts, args.max_new_tokens, args.beam,
+                        args.device)
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for prompt, out in zip(prompts, outs):
+        print(f"{prompt}{out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
