@@ -6,11 +6,14 @@ wrong numbers there with no error (``(jt.ones((4, 4)) * 2).sum()`` gave 0.96). S
 model work on a GPU the jittor backend runs ``SELF_CHECK`` through its own ops and compares
 with numpy (``check_results``); a failure stops with :class:`GPUSelfCheckError` naming the CUDA
 toolkit found and the toolkits jittor supports, instead of a crash deep inside or training
-on garbage.
+on garbage. The same error, with the same two facts, is what a user gets where jittor cannot
+use the GPU at all: an import that crashes compiling its CUDA sources, or a jittor without
+CUDA (built without ``nvcc``, or no toolkit found) asked for the GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -18,11 +21,13 @@ import subprocess
 
 import numpy as np
 
-__all__ = ["GPUSelfCheckError", "JITTOR_CUDA_SUPPORTED", "self_check_inputs", "check_results",
-           "cuda_toolkit", "self_check_error"]
+__all__ = ["GPUSelfCheckError", "JITTOR_CUDA_SUPPORTED", "NVCC_PLACES", "self_check_inputs", "check_results",
+           "cuda_driver_present", "find_nvcc", "cuda_toolkit", "self_check_error"]
 
 # What jittor's own installer (jittor.compile_extern / install_cuda) offers.
 JITTOR_CUDA_SUPPORTED = "CUDA 10.x to 12.2"
+# Where jittor looks for nvcc after $nvcc_path and PATH (jittor/compiler.py).
+NVCC_PLACES = ("/usr/local/cuda/bin/nvcc", "/usr/bin/nvcc", "/opt/cuda/bin/nvcc")
 
 
 class GPUSelfCheckError(RuntimeError):
@@ -58,12 +63,31 @@ def check_results(got: dict[str, np.ndarray], inputs: dict[str, np.ndarray], rto
     return bad
 
 
+def cuda_driver_present() -> bool:
+    """True if the NVIDIA driver library loads and reports at least one device."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return False
+    return count.value > 0
+
+
+def find_nvcc() -> str:
+    """The ``nvcc`` a framework would compile with: ``$nvcc_path`` when set and not empty,
+    else ``nvcc`` on PATH, else the first of ``NVCC_PLACES`` that exists; ``""`` if none."""
+    found = os.environ.get("nvcc_path") or shutil.which("nvcc")
+    return found or next((p for p in NVCC_PLACES if os.path.isfile(p) and os.access(p, os.X_OK)), "")
+
+
 def cuda_toolkit() -> str:
     """The CUDA toolkit a framework would compile with: ``nvcc --version``'s release and path
-    (``$nvcc_path``, else ``nvcc`` on PATH), or a note that none was found."""
-    nvcc = os.environ.get("nvcc_path") or shutil.which("nvcc") or ""
+    (:func:`find_nvcc`), or a note that none was found."""
+    nvcc = find_nvcc()
     if not nvcc:
-        return "no nvcc found (nvcc_path unset and no nvcc on PATH)"
+        return f"none (no nvcc: $nvcc_path empty or unset, none on PATH or at {', '.join(NVCC_PLACES)})"
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -76,7 +100,7 @@ def self_check_error(framework: str, what: str, toolkit: str | None = None) -> G
     """The error for a failed GPU self-check; ``what``: the failed checks or the exception."""
     toolkit = toolkit or cuda_toolkit()
     return GPUSelfCheckError(
-        f"{framework} on the GPU failed its self-check against numpy: {what}.\n"
+        f"{framework} failed its GPU self-check: {what}.\n"
         f"  CUDA toolkit found: {toolkit}; {framework} supports {JITTOR_CUDA_SUPPORTED}.\n"
         f"  Use a supported toolkit (set nvcc_path=/path/to/cuda-12.2/bin/nvcc), or run {framework} on the "
         f"CPU (jittor.flags.use_cuda = 0), or use the torch backend on this GPU. See the README, section GPU."

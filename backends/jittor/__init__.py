@@ -1,7 +1,7 @@
 """Jittor backend of lora_core (same modules, names and signatures as ``backends.torch``).
 
 Importing it configures jittor for this machine first (``_env``): CPU when no NVIDIA
-driver is present. It never imports torch.
+driver, or no CUDA toolkit, is present. It never imports torch.
 """
 
 from __future__ import annotations

@@ -1,34 +1,45 @@
-"""Configure jittor before its first import (no CUDA runtime -> CPU; quiet logs).
+"""Configure jittor before its first import (no CUDA runtime or toolkit -> CPU; quiet logs).
 
 jittor looks for ``nvcc`` at import and, when it finds one (e.g. a CUDA toolkit on a
-machine without a GPU driver), fails loading ``libcudart``. With no NVIDIA driver here we
-set ``nvcc_path=""`` so jittor builds its CPU path. A user who sets ``nvcc_path`` or has
-a working driver gets jittor's CUDA path unchanged. oneDNN (jittor's fast CPU matmul) is
-provided by the install step (``scripts/link_onednn.sh``), not here.
+machine without a GPU driver), fails loading ``libcudart``; when it finds none on a machine
+with a driver, its import downloads a CUDA toolkit (jittor_utils/install_cuda.py: gigabytes,
+and offline it fails). So we set ``nvcc_path=""`` (jittor builds its CPU path) when there is
+no NVIDIA driver, or a driver but no toolkit (``no_cuda_reason`` says so, and asking for the
+GPU then raises the self-check's error naming it, ``_gpu_check.require_cuda``). A user who
+sets ``nvcc_path``, or has a driver and a toolkit (or one jittor installed itself:
+``python -m jittor_utils.install_cuda``), gets jittor's CUDA path unchanged. oneDNN (jittor's
+fast CPU matmul) is provided by the install step (``scripts/link_onednn.sh``), not here.
 """
 
 from __future__ import annotations
 
-import ctypes
+import glob
 import os
+from pathlib import Path
+
+from lora_core.gpu_check import cuda_driver_present, find_nvcc
+
+# Why jittor was set up for the CPU on a machine with an NVIDIA driver (None: it was not).
+no_cuda_reason: str | None = None
 
 
-def cuda_driver_present() -> bool:
-    """True if the NVIDIA driver library loads and reports at least one device."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
+def jittor_installed_toolkits() -> list[str]:
+    """The ``nvcc`` of each toolkit jittor's installer put in ``~/.cache/jittor/jtcuda``
+    (``$JITTOR_HOME`` instead of ``~`` when set)."""
+    home = os.environ.get("JITTOR_HOME") or str(Path.home())
+    return sorted(glob.glob(os.path.join(home, ".cache", "jittor", "jtcuda", "*", "bin", "nvcc")))
 
 
 def configure() -> None:
     """Set jittor's environment switches; a no-op for anything the user already set."""
-    if "nvcc_path" not in os.environ and not cuda_driver_present():
-        os.environ["nvcc_path"] = ""
+    global no_cuda_reason
+    if "nvcc_path" not in os.environ:
+        if not cuda_driver_present():
+            os.environ["nvcc_path"] = ""
+        elif not find_nvcc() and not jittor_installed_toolkits():
+            os.environ["nvcc_path"] = ""
+            no_cuda_reason = ("no CUDA toolkit was found, so the backend set jittor up for the CPU instead of "
+                              "letting its import download one")
     os.environ.setdefault("log_silent", "1")
 
 
