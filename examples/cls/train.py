@@ -25,10 +25,12 @@ import sys
 from pathlib import Path
 
 import lora_core
+from lora_core.data.nlg import check_data_file
 from lora_core.device import DEVICE_CHOICES
 from lora_core.train.distributed import run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import CLS_RECIPES, apply_overrides
+from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
@@ -37,10 +39,11 @@ from .prepare import read_prepared
 
 
 def read_split(prepared: Path, split: str) -> list[tuple[list[int], int]]:
-    """``(ids, label)`` examples of a labelled prepared split."""
-    path = prepared / f"{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (run examples.cls.prepare first)")
+    """``(ids, label)`` examples of a labelled prepared split (a missing, empty or blank file is
+    refused naming it)."""
+    if prepared.exists() and not prepared.is_dir():
+        raise ValueError(f"--prepared {prepared}: a file, not a folder (the output folder of examples.cls.prepare)")
+    path = check_data_file(prepared / f"{split}.jsonl", hint="run examples.cls.prepare first")
     ids, labels = read_prepared(path)
     if labels is None:
         raise ValueError(f"{path}: no labels (the {split} split must be labelled)")
@@ -70,9 +73,11 @@ def run(
 ) -> dict:
     """Train, then predict dev and test; returns the trainer's summary and the metrics.
     ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (it changes no result: not part of the
-    run's configuration, so a resume may change it)."""
-    backend = lora_core.get_backend(backend_name)
+    run's configuration, so a resume may change it). Bad input (the run folder, the prepared
+    splits) is refused before the model is loaded."""
+    check_out_dir(out_dir, resume=resume or resume_from is not None)
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
+    backend = lora_core.get_backend(backend_name)
     model = build(backend, base, recipe)
     backend.to_device(model, device)
     summary = train(

@@ -31,12 +31,13 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.data.nlg import read_encoded
+from lora_core.data.nlg import check_data_file, read_encoded
 from lora_core.device import DEVICE_CHOICES
 from lora_core.formats.checkpoint import save_model
 from lora_core.train.distributed import run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
+from lora_core.train.run_dir import check_out_dir
 from lora_core.train.trainer import train
 
 
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
 
     def body(job) -> str:
+        # bad input is refused before any work: the run folder, then the data (read whole, strictly)
+        check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
+        train_data = read_encoded(check_data_file(args.train, "--train"))
+        valid_data = read_encoded(check_data_file(args.valid, "--valid")) if args.valid else None
         recipe = get_recipe(args.recipe)
         args.recipe_model = recipe.model
         cfg = apply_overrides(recipe.train, [kv for group in args.overrides for kv in group])
@@ -132,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, precision=args.precision)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
-        train_data = read_encoded(args.train)
-        valid_data = read_encoded(args.valid) if args.valid else None
         model, note = build(backend, args, cfg.lora_config(), comm)
         backend.to_device(model, args.device)  # device, grad_checkpoint, compile do not change results: not in cfg
         backend.set_grad_checkpoint(model, args.grad_checkpoint)

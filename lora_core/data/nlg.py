@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "DataFormatError",
     "ReferenceGroup",
+    "check_data_file",
     "iter_lines",
     "read_jsonl",
     "read_formatted",
@@ -57,6 +58,35 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataFormatError(path, lineno, f"not valid UTF-8 ({e.reason})") from None
+
+
+def check_data_file(path: str | os.PathLike, option: str | None = None, hint: str = "") -> Path:
+    """Refuse, before reading it, a data file that cannot hold examples: missing, a folder,
+    empty, or holding only blank lines (the readers would return no example, or stop at an
+    "empty line"). Any line-based format; reads no further than its first non-blank byte.
+
+    Args:
+        path: the file.
+        option: the command-line option named in the message (``--train``), if any.
+        hint: added to the message of a missing file, e.g. ``"run examples.cls.prepare first"``.
+
+    Raises:
+        DataFormatError: naming the option, the file and the problem.
+    """
+    path = Path(path)
+    where = f"{option} {path}" if option else path
+    if not path.exists():
+        raise DataFormatError(where, None, "no such file" + (f" ({hint})" if hint else ""))
+    if path.is_dir():
+        raise DataFormatError(where, None, "a folder, not a file")
+    with open(path, "rb") as f:
+        if not f.read(1):
+            raise DataFormatError(where, None, "the file is empty (no examples)")
+        f.seek(0)
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return path
+    raise DataFormatError(where, None, "the file holds only blank lines (no examples)")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

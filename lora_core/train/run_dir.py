@@ -43,6 +43,7 @@ __all__ = [
     "LOG_FILE",
     "CONFIG_FILE",
     "LATEST_FILE",
+    "check_out_dir",
     "find_checkpoint",
     "resume_point",
     "read_log",
@@ -246,16 +247,41 @@ def _with_defaults(saved: dict) -> dict:
     return saved
 
 
+def check_out_dir(out_dir: str | os.PathLike, resume: bool = False, option: str | None = "--out-dir") -> Path:
+    """Refuse a run folder that cannot take this run, before any work: ``out_dir`` or one of
+    its parents is a file, or (a new run, not ``resume``) it holds a previous run. Reads only.
+
+    Args:
+        out_dir: the run folder (it need not exist yet).
+        resume: the run continues the one in ``out_dir``.
+        option: the command-line option named in the message (None: the path alone).
+
+    Raises:
+        ValueError: a file stands where a folder must be (the message names it).
+        FileExistsError: a new run in a folder holding a previous run.
+    """
+    out = Path(out_dir)
+    where = f"{option} {out}" if option else str(out)
+    for p in (out, *out.parents):
+        if p.exists():  # False below a file (ENOTDIR): the loop reaches that file
+            if not p.is_dir():
+                raise ValueError(f"{where}: {'a file' if p == out else f'{p} is a file'}, not a folder")
+            break
+    if not resume and out.is_dir():
+        if (out / CONFIG_FILE).exists() or (out / LOG_FILE).exists() or _named_checkpoint(out) is not None:
+            raise FileExistsError(f"{where} holds a previous run: resume it (--resume) or choose a new folder")
+    return out
+
+
 def open_run_dir(out: Path, run: dict, resume: bool, adapter, resume_from=None):
     """Make ``out`` ready for a run described by ``run`` (the run configuration): a new run
     needs a folder without a previous run; a resume needs the saved configuration to match
     (keys that older versions did not write count at their defaults). Removes temp leftovers,
     writes ``train_config.json``, and returns what to resume from (``resume_point``'s
     ``(path, (tensors, optimizer state, meta))``) or None."""
+    check_out_dir(out, resume, option=None)
     out.mkdir(parents=True, exist_ok=True)
     old = out / CONFIG_FILE
-    if not resume and (old.exists() or (out / LOG_FILE).exists() or find_checkpoint(out) is not None):
-        raise FileExistsError(f"{out} holds a previous run: resume it (--resume) or choose a new folder")
     remove_temp_files(out)  # leftovers of a killed save
     if resume and old.is_file():
         diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8"))), run)

@@ -254,7 +254,8 @@ class Trainer:
         Args:
             train_examples, valid_examples: the task's examples (LM: ``(context_ids,
                 completion_ids)`` pairs or ``read_encoded`` records; classification:
-                ``(token_ids, label)`` or ``{"ids", "label"}`` records).
+                ``(token_ids, label)`` or ``{"ids", "label"}`` records). No training example,
+                or an empty validation set (``None``: no validation), raises ``ValueError``.
             resume: continue from ``OUT/latest`` (a fresh start if none was saved yet); a
                 damaged latest checkpoint raises ``CheckpointError`` naming the newest
                 intact one.
@@ -265,6 +266,10 @@ class Trainer:
         """
         cfg, be, model = self.cfg, self.backend, self.model
         pairs = self.task.examples(train_examples)
+        if not pairs:  # before the run folder: an epoch of no updates has no length
+            raise ValueError(f"the training set is empty: no {self.task.name} example to train on")
+        if valid_examples is not None and len(valid_examples) == 0:
+            raise ValueError("the validation set is empty: give valid_examples=None to train without validation")
         valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
         self.task.check(pairs + valid, model)
         self._prepare(pairs, resume or resume_from is not None, resume_from)
