@@ -148,3 +148,28 @@ def test_evaluate_and_generate_after_training(prepared):
                     "--tokenizer", tok, "--prompt", "The restaurant", "--prompt", "It is",
                     "--max-new-tokens", 8).stdout for be in ("torch", "jittor")}
     assert gen["torch"] == gen["jittor"] and gen["torch"].startswith("The restaurant")
+
+
+def test_train_refuses_bad_folders_and_files_in_one_line(prepared, tmp_path, capsys):
+    """As the other train commands (tests/test_train_bad_input.py): one ``error:`` line naming
+    the file, exit 1, nothing created."""
+    import shutil
+
+    from examples.lm import train as lm_train
+
+    root, out = prepared
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    empty = tmp_path / "empty"
+    shutil.copytree(out, empty)
+    (empty / "train.jsonl").write_text("")
+    base = ["--recipe", "lm-demo", "--random-init", "tiny-llama", "--vocab-size", str(_vocab(out)), "--no-progress"]
+    for argv, words in (
+        (["--prepared", str(out), "--out-dir", str(a_file)], f"--out-dir {a_file}: a file, not a folder"),
+        (["--prepared", str(empty), "--out-dir", str(tmp_path / "r1")], f"{empty / 'train.jsonl'}: the file is empty"),
+        (["--prepared", str(a_file), "--out-dir", str(tmp_path / "r2")], f"--prepared {a_file}: a file, not a folder"),
+    ):
+        assert lm_train.main(base + argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

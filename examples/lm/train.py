@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.data.nlg import read_jsonl
+from lora_core.data.nlg import check_data_file, read_jsonl
 from lora_core.data.text import check_tokenizer_fits
 from lora_core.device import DEVICE_CHOICES
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
@@ -39,6 +39,7 @@ from lora_core.models import llama as llama_spec
 from lora_core.train.distributed import run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import LM_RECIPES, apply_overrides
+from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import LMTask, max_positions
 from lora_core.train.trainer import train
 
@@ -47,18 +48,16 @@ RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
 
 def read_prepared(prepared: Path) -> tuple[list[dict], list[dict], dict]:
     """The blocks of ``examples.lm.prepare`` and its ``meta.json``."""
+    if prepared.exists() and not prepared.is_dir():
+        raise ValueError(f"--prepared {prepared}: a file, not a folder (the output folder of examples.lm.prepare)")
     meta_path = prepared / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path}: no such file (run examples.lm.prepare first)")
     meta = read_json(meta_path)
     out = []
     for split in ("train", "valid"):
-        path = prepared / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file (run examples.lm.prepare first)")
+        path = check_data_file(prepared / f"{split}.jsonl", hint="run examples.lm.prepare first")
         recs = read_jsonl(path)
-        if not recs:
-            raise ValueError(f"{path}: no blocks (empty file)")
         for i, r in enumerate(recs, 1):
             ids = r.get("ids")
             if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
@@ -128,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
 
     def body(job) -> str:
+        check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
         recipe = apply_overrides(LM_RECIPES[args.recipe], args.overrides)
         cfg = recipe.train
         if args.max_steps is not None:
