@@ -157,6 +157,11 @@ def test_logits_match_transformers(backend, checkpoints, kind):
     h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])
     assert_close(f"llama unpadded logits vs transformers ({kind})", to_numpy(model.lm_logits(h)),
                  ref_pad.numpy()[keep], 1e-5)
+    # the same with nothing padded (packed text blocks: no gather, no scatter)
+    full = collate([(list(r[:1]), list(r[1:]) + [0]) for r in ids])
+    h = model.hidden_unpadded(full["input_ids"], full["token_index"], full["pad_index"])
+    assert_close(f"llama unpadded logits vs transformers, no padding ({kind})", to_numpy(model.lm_logits(h)),
+                 ref.numpy().reshape(-1, V), 1e-5)
 
 
 def _lm_batch(seed=3):

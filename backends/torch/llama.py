@@ -74,8 +74,11 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(*lead, self.nkv, self.D)
         if unpad is not None:  # packed (N, h, D) -> padded (B, T, h, D); pads read an appended zero row
             token_index, pad_index, B, T = unpad
-            q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, pad_index).view(B, T, *t.shape[1:])
-                       for t in (q, k, v))
+            if pad_index is None:  # nothing padded (packed text blocks): a view
+                q, k, v = (t.view(B, T, *t.shape[1:]) for t in (q, k, v))
+            else:
+                q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, pad_index)
+                           .view(B, T, *t.shape[1:]) for t in (q, k, v))
         B, T = q.shape[0], q.shape[1]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
         if isinstance(past, tuple) and not isinstance(past[0], torch.Tensor):  # a cache object: (cache, layer)
@@ -91,7 +94,7 @@ class LlamaAttention(nn.Module):
                 y = self._grouped(lambda qg, bg: _attend(qg, k, v, bg), q, bias)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.D)
         if unpad is not None:  # back to the real tokens only
-            y = y.reshape(B * T, -1).index_select(0, unpad[0])
+            y = y.reshape(B * T, -1) if unpad[1] is None else y.reshape(B * T, -1).index_select(0, unpad[0])
         return self.o_proj(y), present
 
     def _grouped(self, attend, q, bias):
@@ -209,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         check_length(self.config, T)
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
         rope = self.rope(tok % T)
-        x = self.model.embed_tokens(ids.reshape(-1).index_select(0, tok))
-        unpad = (tok, pad, B, T)
+        dense = tok.numel() == B * T  # no padding: the tokens are the (B, T) layout, row-major
+        x = self.model.embed_tokens(ids.reshape(-1) if dense else ids.reshape(-1).index_select(0, tok))
+        unpad = (None, None, B, T) if dense else (tok, pad, B, T)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]
