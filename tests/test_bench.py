@@ -30,6 +30,7 @@ def test_bench_tiny_all_systems(shared_dir, tmp_path, capsys):
             assert run["train_tok_s"] > 0 and run["train_rss_mb"] > 0 and run["beam_s_ex"] > 0, run
             assert len(run["step_s"]) == 3 and len(run["gen_lengths"]) == 2, run
             assert run["gen_lengths"] == [64, 64], run  # eos banned before 64 new tokens (--beam-min-new default)
+            assert len(run["beams_sha256"]) == 64, run
         assert len(result["summary"][shape]["targets"]) == len(bench.TARGETS)
 
 
@@ -119,20 +120,27 @@ def test_bench_medians_over_repeats_skip_missing_figures():
 
 @pytest.mark.gpu
 def test_bench_runs_on_the_gpu(shared_dir, tmp_path, capsys):
-    """``--device cuda``: every system trains and decodes on the GPU, with its peak GPU memory."""
+    """``--device cuda``: every system trains and decodes on the GPU, with its peak GPU memory;
+    ours-torch's captured decode step (CUDA graphs) decodes the beams its eager step decodes,
+    on the same GPU and inputs (a capture that records the wrong work fails here)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     data = shared_dir / "data"
-    out = tmp_path / "bench.json"
-    rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--systems", "ours-torch,hf-peft,hf-peft-bf16",
-                     "--steps", "2", "--warmup", "1", "--repeats", "1", "--beam-examples", "2", "--device", "cuda",
-                     "--json", str(out)])  # fmt: skip
-    table = capsys.readouterr().out
-    assert rc == 0 and "train GPU MB" in table, table
-    for system, (run,) in json.loads(out.read_text())["raw"]["tiny"].items():
+    raw = {}
+    for step, systems in (("captured", "ours-torch,hf-peft,hf-peft-bf16"), ("eager", "ours-torch")):
+        out = tmp_path / f"bench-{step}.json"
+        rc = bench.main(["--data-dir", str(data), "--shapes", "tiny", "--systems", systems, "--steps", "2",
+                         "--warmup", "1", "--repeats", "1", "--beam-examples", "4", "--device", "cuda",
+                         "--decode-step", step, "--json", str(out)])  # fmt: skip
+        table = capsys.readouterr().out
+        assert rc == 0 and "train GPU MB" in table, table
+        raw[step] = json.loads(out.read_text())["raw"]["tiny"]
+    for system, (run,) in raw["captured"].items():
         assert run["train_gpu_mb"] > 0 and run["beam_gpu_mb"] > 0 and run["gpu_name"], (system, run)
+    (captured,), (eager,) = raw["captured"]["ours-torch"], raw["eager"]["ours-torch"]
+    assert captured["beams_sha256"] == eager["beams_sha256"] and captured["gen_lengths"] == eager["gen_lengths"]
 
 
 def _sst2_and_tiny_base(shared_dir, tmp_path, seed: int):

@@ -29,7 +29,9 @@ issue 8's targets instead of the CPU's: on ``gpt2-medium``, training tokens/s ou
 hf-peft >= 2.0 at ``--batch`` 8 (>= 1.5 at larger batches) and beam s/example <= 0.5; peak
 GPU memory ours-torch / hf-peft <= 1.0. ``--compile BACKEND`` runs ours-torch's training step
 through ``torch.compile`` (``inductor``; ``cudagraphs`` also records CUDA graphs), compiled over
-the timed batches once before timing. ``--decode-step`` chooses ours-torch's beam decode step.
+the timed batches once before timing. ``--decode-step`` chooses ours-torch's beam decode step;
+each beam run reports ``beams_sha256``, a digest of the token ids it decoded, so that two runs'
+outputs (captured and eager decode steps, say) can be compared.
 Tokens/s counts the same real tokens for every system (``collate``'s ``n_tokens``), so its
 ratios are those of examples/s. ``tiny`` is the ``tiny`` preset with GPT-2's vocabulary and
 1024 positions (E2E ids need them). ``demo`` is the embedded demo's model (``demo`` preset: 3
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import resource
@@ -183,8 +186,9 @@ def run_beam(spec: dict) -> dict:
     elapsed = time.perf_counter() - t0
     lengths = [gen_length(o, stop_ids(spec["shape"])) for o in outs]
     log(f"{spec['shape']} {spec['system']} beam {len(contexts)} examples: {elapsed:.2f} s")
+    digest = hashlib.sha256(json.dumps([[int(t) for t in o] for o in outs]).encode()).hexdigest()
     return {"beam_s_ex": elapsed / len(contexts), "beam_batch": bs, "beam_warmup_s": warm,
-            "gen_len": float(np.mean(lengths)), "gen_lengths": lengths,
+            "gen_len": float(np.mean(lengths)), "gen_lengths": lengths, "beams_sha256": digest,
             "beam_rss_mb": _max_rss_mb(), "beam_gpu_mb": system.peak_gpu_mb()}  # fmt: skip
 
 
