@@ -58,6 +58,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_weights, llama_config
 
 from ..bench_worker import run_as_worker, spawn
@@ -212,6 +214,35 @@ def gemm_peak(cfg, rows: int, threads: int) -> dict:
     return {"rows": rows, "threads": threads, "gflops_by_shape": by_shape, "peak_gflops": by_shape[top], "peak_shape": top}  # fmt: skip
 
 
+def decode_floor(cfg, new_tokens: int, threads: int) -> dict:
+    """The decoding floor of the memory system: each greedy step (the prompt's and every new
+    token's) reads every weight once (float32), so a step cannot take less than the weights'
+    bytes over the read bandwidth, measured here as ``torch.sum`` of a 512 MB float32 tensor
+    (best of 3) with the same thread count. Greedy at batch 2 does ~2 multiply-adds per weight
+    read: far below the GEMM peak, the product kernels stream the weights."""
+    import torch
+
+    from lora_core.models.llama import base_shapes
+
+    torch.set_num_threads(threads)
+    big = torch.ones(128 * 2**20)
+    big.sum()
+    best = min(_timed(big.sum) for _ in range(3))
+    bandwidth = big.numel() * 4 / best
+    weights = 4 * sum(int(np.prod(sh)) for sh in base_shapes(cfg).values())
+    if cfg.tie_word_embeddings:
+        weights += 4 * cfg.vocab_size * cfg.hidden_size  # the head reads the embedding again
+    steps = new_tokens  # the prompt's pass and new_tokens - 1 cached steps
+    return {"read_gb_s": bandwidth / 1e9, "weight_mb": weights / 2**20, "steps": steps,
+            "floor_s": steps * weights / bandwidth}  # fmt: skip
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def environment() -> dict:
     versions = {}
     for name in PACKAGES:
@@ -277,12 +308,13 @@ def same_tokens(raw: dict) -> dict[str, bool | None]:
             for s, runs in raw.items()}  # fmt: skip
 
 
-def summarise(raw: dict, args, flops: dict, peak: dict, env: dict) -> tuple[str, dict]:
+def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict | None = None) -> tuple[str, dict]:
     cfg = _shape(vars(args))
     med = {s: medians(runs) for s, runs in raw.items()}
     same = same_tokens(raw)
     for s, m in med.items():
         tok_s = m["train_tok_s"]
+        m["decode_floor_fraction"] = (floor["floor_s"] / m["decode_s"]) if floor and m.get("decode_s") else None
         m["gflops"] = None if tok_s is None else flops["train_step"] * tok_s / 1e9
         m["peak_fraction"] = None if tok_s is None else m["gflops"] / peak["peak_gflops"]
         m["same_tokens"] = same[s]
@@ -299,9 +331,12 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict) -> tuple[str,
              f"attention {flops['attention'] / 1e6:.2f} M + 3 LoRA {flops['lora'] / 1e6:.2f} M; forward "
              f"{flops['forward'] / 1e6:.1f} M); fp32 GEMM peak {peak['peak_gflops']:.1f} GFLOP/s "
              f"(torch.matmul {peak['rows']} x {peak['peak_shape']}, {peak['threads']} thread(s))",
+             *([f"decoding floor {floor['floor_s']:.3f} s: {floor['steps']} steps x {floor['weight_mb']:.0f} MB of "
+                f"weights read at {floor['read_gb_s']:.1f} GB/s (torch.sum of 512 MB, {peak['threads']} thread(s))"]
+               if floor else []),
              "",
              f"{'system':12s} {'tok/s':>8s} {'step s':>7s} {'GFLOP/s':>7s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
-             f"{'loss0':>7s} {'decode s':>8s} {'ms/tok':>7s} {'dec RSS':>7s} {'same':>5s}  errors"]  # fmt: skip
+             f"{'loss0':>7s} {'decode s':>8s} {'ms/tok':>7s} {'x floor':>7s} {'dec RSS':>7s} {'same':>5s}  errors"]  # fmt: skip
     for s, m in med.items():
         errors = sorted({r[k] for r in raw[s] for k in ("train_error", "decode_error") if k in r})
         frac = None if m["peak_fraction"] is None else 100 * m["peak_fraction"]
@@ -309,6 +344,7 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict) -> tuple[str,
                      f"{_fmt(m['gflops'], '.1f'):>7s} {_fmt(frac, '.1f'):>6s} {_fmt(m['train_peak_rss_mb'], '.0f'):>7s} "
                      f"{_fmt(m['train_peak_private_mb'], '.0f'):>7s} {_fmt(m['loss0'], '.4f'):>7s} "
                      f"{_fmt(m['decode_s'], '.3f'):>8s} {_fmt(m['decode_ms_tok'], '.1f'):>7s} "
+                     f"{_fmt(None if not m['decode_floor_fraction'] else 1 / m['decode_floor_fraction'], '.2f'):>7s} "
                      f"{_fmt(m['decode_peak_rss_mb'], '.0f'):>7s} {'-' if same[s] is None else 'yes' if same[s] else 'NO':>5s}"
                      f"  {'; '.join(errors)}")  # fmt: skip
     pairs = [(a, "hf-peft") for a in ("ours-torch", "ours-jittor")] + [("ours-jittor", "ours-torch")]
@@ -354,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     t0, version, env = time.perf_counter(), code_version(), environment()
     flops = train_flops_per_token(cfg, args.block)
     peak = gemm_peak(cfg, args.batch * args.block, args.threads)
+    floor = decode_floor(cfg, args.new_tokens, args.threads)
     with tempfile.TemporaryDirectory(prefix="lm_bench_") as d:
         raw = run_all(args, write_inputs(cfg, Path(d)))
-    table, summary = summarise(raw, args, flops, peak, env)
+    table, summary = summarise(raw, args, flops, peak, env, floor)
     print(table)
     print(
         f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.lm.bench {' '.join(argv)})"
@@ -364,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
         settings["code"] = version
-        out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "raw": raw,
+        out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip
         args.json.write_text(json.dumps(out, indent=1))
     return 1 if any(k.endswith("_error") for runs in raw.values() for r in runs for k in r) else 0
