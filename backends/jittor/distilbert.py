@@ -16,6 +16,7 @@ from lora_core.models.distilbert import DistilBertConfig, attention_scale, class
 from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, softmax_scaled
 from ._lean_layers import LayerNorm, gelu
+from .gpt2 import checkpointed, recomputing
 from .lora import TrainEvalMixin, assign_keep_grad
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
@@ -113,6 +114,7 @@ class DistilBertModel(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
         self.embeddings = Embeddings(cfg)
         self.transformer = Transformer(cfg)
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each block in the backward pass
 
     def execute(self, ids: jt.Var, attention_mask: jt.Var | None = None) -> jt.Var:
         """Hidden states (B, T, E); with padding, its rows are zeros."""
@@ -136,8 +138,9 @@ class DistilBertModel(nn.Module):
         else:
             bias = ((1.0 - attention_mask.float32()) * _NEG).reshape(B, 1, 1, T).broadcast((B, 1, T, T))
         h = self.embeddings(ids, packed)
+        recompute = recomputing(self)
         for block in self.transformer.layer:
-            h = block(h, bias, packed)
+            h = checkpointed(block, h, bias, packed) if recompute else block(h, bias, packed)
         return h, packed
 
 

@@ -16,6 +16,7 @@ from jittor import nn
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
+from lora_core.lora.dropout import BlockMasks, ReplayMasks
 from lora_core.lora.layers import decoding_weights
 from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
 
@@ -181,6 +182,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         self.h = nn.ModuleList([Block(cfg, lora, f"h.{i}.") for i in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.decode_head = None
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each block in the backward pass
 
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (see the torch backend):
@@ -219,8 +221,10 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         tok, pad = _var(token_index), _var(pad_index)
         bias = jt.array(attention_bias(None, T, 0))
         x = self.drop(self.wte(ids.reshape(-1)[tok]) + self.wpe(tok % T))
+        recompute = recomputing(self)
         for block in self.h:
-            x, _ = block(x, None, bias, (tok, pad, B, T))
+            unpad = (tok, pad, B, T)
+            x = checkpointed(block, x, None, bias, unpad) if recompute else block(x, None, bias, unpad)[0]
         return self.ln_f(x)
 
     def lm_logits(self, h):
@@ -258,12 +262,99 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         return {n: p.numpy().copy() for n, p in self.named_parameters()}
 
 
+class _Recomputed(jt.Function):
+    """``run(x)`` whose intermediates are not kept: the forward pass runs under ``no_grad``
+    and keeps only ``x``; the backward pass runs ``run`` again with gradients on and
+    differentiates it for ``x`` and ``params`` (the trainable parameters ``run`` reads,
+    passed as inputs so that their gradients leave through this function)."""
+
+    def __init__(self, run, params: list):
+        self.run, self.params = run, params  # the parameters themselves: execute gets taped copies
+
+    def execute(self, x, *params):
+        self.x = x
+        with jt.no_grad():
+            y = self.run(x)
+        return y
+
+    def grad(self, g):
+        x = self.x.detach()
+        needs_x = self.input_mask[0] >= 0  # (jt.Function's record; the taped x reads as stop_grad)
+        with jt.enable_grad():
+            if needs_x:
+                x.start_grad()
+            out = self.run(x)
+            wrt = ([x] if needs_x else []) + list(self.params)
+            # g detached: else the outer backward pass counts the parameters' use here again
+            grads = jt.grad((out * g.detach()).sum(), wrt) if wrt else []
+        return ([None] if not needs_x else []) + list(grads)
+
+
+class _JittorMasks:
+    """jittor's own dropout masks (``nn.Dropout``'s: keep where a uniform draw exceeds ``p``)
+    as a mask source, so that ``ReplayMasks`` can record them."""
+
+    @staticmethod
+    def mask(shape: tuple[int, ...], p: float) -> jt.Var:
+        return (jt.random(shape) > p).stop_grad()
+
+
+def _replayed_dropout(m: nn.Dropout, replay: ReplayMasks):
+    def execute(x):
+        if not (m.is_train and 0 < m.p < 1):
+            return nn.Dropout.execute(m, x)
+        return (x * replay.mask(tuple(x.shape), m.p).int() / (1.0 - m.p)).to(x.dtype)  # as nn.Dropout
+    return execute
+
+
+class _BlockDropout:
+    """Every dropout mask of one checkpointed block, recorded in the first pass and replayed
+    in the recomputation: parity-mode masks (``BlockMasks``) and jittor's own, which its RNG
+    draws when the graph runs (so re-seeding could not repeat them)."""
+
+    def __init__(self, block):
+        self.parity = BlockMasks(block.modules())
+        self.own = [m for m in block.modules()
+                    if isinstance(m, nn.Dropout) and m.p > 0 and getattr(m, "mask_source", None) is None]
+        self.replays = [ReplayMasks(_JittorMasks) for _ in self.own]
+
+    def run(self, fn, *args):
+        sources = self.parity.start()
+        for m, r in zip(self.own, self.replays):
+            r.start()
+            m.execute = _replayed_dropout(m, r)  # an instance attribute: shadows the class's execute
+        try:
+            return fn(*args)
+        finally:
+            self.parity.stop(sources)
+            for m in self.own:
+                del m.execute
+
+
+def checkpointed(block, x: jt.Var, *args) -> jt.Var:
+    """``block(x, *args)`` (or its first output) without keeping its activations (see the torch backend): a
+    ``jt.Function`` recomputes them in the backward pass, with the dropout masks of the
+    forward pass (``_BlockDropout``)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    masks = _BlockDropout(block)
+    return _Recomputed(lambda h: first(masks.run(block, h, *args)), params)(x, *params)
+
+
+def recomputing(model) -> bool:
+    """Whether ``model``'s blocks are checkpointed now: asked for, training, gradients on."""
+    return bool(getattr(model, "grad_checkpoint", False)) and model.is_training() and not jt.flags.no_grad
+
+
+def first(out):
+    """A block's hidden states: its output, or the first of its outputs."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def set_grad_checkpoint(model, enabled: bool = True) -> None:
-    """Activation checkpointing: not available in jittor 1.3.11 (no recompute API); ``True`` raises."""
-    if enabled:
-        raise ValueError("grad_checkpoint is not supported by the jittor backend: jittor 1.3.11 has no "
-                         "activation checkpointing (recomputation); use the torch backend or a smaller batch")
-    model.grad_checkpoint = False
+    """Activation checkpointing per transformer block in training (see the torch backend)."""
+    for m in [model, *model.modules()]:
+        if m is model or hasattr(m, "grad_checkpoint"):
+            m.grad_checkpoint = bool(enabled)
 
 
 def _np(x):

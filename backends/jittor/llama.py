@@ -24,7 +24,7 @@ from lora_core.models.llama import LlamaConfig, check_length, rope_tables
 
 from ._gpu_check import ensure_gpu_ok
 from ._lean_layers import frozen_matmul_t
-from .gpt2 import KVCache, attention
+from .gpt2 import KVCache, attention, checkpointed, recomputing
 from .lora import LoRAEmbedding, LoRALinear, TrainEvalMixin, assign_keep_grad, linear_decode, pack_weight
 
 
@@ -135,7 +135,7 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else LoRALinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.decode_head = None
-        self.grad_checkpoint = False  # set_grad_checkpoint(model, True) raises: jittor 1.3.11 cannot recompute
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each layer in the backward pass
         self._rope: tuple[np.ndarray, np.ndarray] | None = None  # cos, sin tables (numpy), grown on demand
 
     def rope(self, pos):
@@ -186,8 +186,10 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
         rope = self.rope(_np(token_index) % T)
         bias = jt.array(attention_bias(None, T, 0))
         x = self.model.embed_tokens(ids.reshape(-1)[tok])
+        unpad = (tok, pad, B, T)
+        recompute = recomputing(self)
         for layer in self.model.layers:
-            x, _ = layer(x, rope, None, bias, (tok, pad, B, T))
+            x = checkpointed(layer, x, rope, None, bias, unpad) if recompute else layer(x, rope, None, bias, unpad)[0]
         return self.model.norm(x)
 
     def lm_logits(self, h):

@@ -20,6 +20,8 @@ from torch import nn
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.models.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
+from .gpt2 import checkpointed
+
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
 
@@ -122,6 +124,7 @@ class DistilBertModel(nn.Module):
         super().__init__()
         self.embeddings = Embeddings(cfg)
         self.transformer = Transformer(cfg)
+        self.grad_checkpoint = False  # set_grad_checkpoint: recompute each block in the backward pass
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (B, T, E); with padding, its rows are zeros (the real tokens are
@@ -147,8 +150,9 @@ class DistilBertModel(nn.Module):
         else:
             bias = ((1.0 - attention_mask.float()) * _NEG).view(B, 1, 1, T).expand(B, 1, T, T)
         h = self.embeddings(ids, packed)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for block in self.transformer.layer:
-            h = block(h, bias, packed)
+            h = checkpointed(block, h, bias, packed) if recompute else block(h, bias, packed)
         return h, packed
 
 

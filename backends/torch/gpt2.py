@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
-from lora_core.lora.dropout import ReplayMasks
+from lora_core.lora.dropout import BlockMasks
 from lora_core.lora.layers import decoding_weights
 from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
 
@@ -277,31 +277,34 @@ class GPT2LMModel(nn.Module):
 
 
 def checkpointed(block, x: torch.Tensor, *args) -> torch.Tensor:
-    """``block(x, *args)[0]`` on the real tokens ``x`` (N, E) without keeping its activations:
+    """``block(x, *args)`` (its first output when it returns a tuple: GPT-2's and Llama's
+    blocks return their KV pair too) on the real tokens ``x`` (N, E) without keeping its activations:
     ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
-    framework dropout repeats; numpy parity masks are replayed by ``ReplayMasks``)."""
-    layers = [m for m in block.modules()  # a ``fixed`` source (a compiled step's) repeats itself
-              if getattr(m, "mask_source", None) is not None and not getattr(m.mask_source, "fixed", False)]
-    replays = [ReplayMasks(m.mask_source) for m in layers]  # per layer: the first pass records
+    framework dropout repeats; numpy parity masks are replayed by ``BlockMasks``)."""
+    masks = BlockMasks(block.modules())  # per layer: the first pass records
 
     def run(h):
-        sources = [m.mask_source for m in layers]
-        for m, r in zip(layers, replays):
-            r.start()
-            m.mask_source = r
+        sources = masks.start()
         try:
-            return block(h, *args)[0]
+            return first(block(h, *args))
         finally:
-            for m, src in zip(layers, sources):
-                m.mask_source = src
+            masks.stop(sources)
 
     return checkpoint(run, x, use_reentrant=False)
 
 
+def first(out):
+    """A block's hidden states: its output, or the first of its outputs."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def set_grad_checkpoint(model, enabled: bool = True) -> None:
     """Activation checkpointing per transformer block in training (the same loss and gradients
-    as the plain step, less memory, one more forward pass per block)."""
-    model.grad_checkpoint = bool(enabled)
+    as the plain step, less memory, one more forward pass per block). Sets ``grad_checkpoint``
+    on ``model`` and on each of its modules that has one (DistilBERT's encoder)."""
+    for m in [model, *model.modules()]:
+        if m is model or hasattr(m, "grad_checkpoint"):
+            m.grad_checkpoint = bool(enabled)
 
 
 def _np(x):

@@ -31,8 +31,9 @@ class ReplayMasks:
     """Activation checkpointing in parity mode: the masks ``source`` gives during a block's
     forward pass, recorded, then given again in the same order when the block is recomputed
     for the backward pass (``start()`` before each pass), so that both passes drop the same
-    units. The framework's own dropout needs no such thing: ``torch.utils.checkpoint``
-    restores the RNG state before recomputing."""
+    units. Torch's own dropout needs no such thing (``torch.utils.checkpoint`` restores the
+    RNG state before recomputing); jittor's draws at execution time, so the jittor backend
+    records its own masks here too (a source whose ``mask`` returns a jittor mask)."""
 
     def __init__(self, source):
         self.source, self.masks, self.i = source, [], 0
@@ -44,7 +45,37 @@ class ReplayMasks:
         if self.i == len(self.masks):
             self.masks.append(self.source.mask(shape, p))
         m = self.masks[self.i]
-        if m.shape != tuple(shape):
-            raise RuntimeError(f"recomputed forward pass asked for a mask of shape {tuple(shape)}, recorded {m.shape}")
+        if tuple(m.shape) != tuple(shape):
+            raise RuntimeError(
+                f"recomputed forward pass asked for a mask of shape {tuple(shape)}, recorded {tuple(m.shape)}"
+            )
         self.i += 1
         return m
+
+
+class BlockMasks:
+    """The parity-mode masks of one checkpointed block: between ``start()`` and ``stop()``
+    every module of ``modules`` with a ``mask_source`` (other than a ``fixed`` one, which
+    repeats itself) takes its masks from its own ``ReplayMasks``, so the first pass records
+    and each later pass (the recomputation) replays them. (Plain methods, no context
+    manager: torch.compile traces this.)"""
+
+    def __init__(self, modules):
+        self.layers = [
+            m
+            for m in modules
+            if getattr(m, "mask_source", None) is not None and not getattr(m.mask_source, "fixed", False)
+        ]
+        self.replays = [ReplayMasks(m.mask_source) for m in self.layers]
+
+    def start(self) -> list:
+        """Swap the replays in; returns the sources for ``stop``."""
+        sources = [m.mask_source for m in self.layers]
+        for m, r in zip(self.layers, self.replays):
+            r.start()
+            m.mask_source = r
+        return sources
+
+    def stop(self, sources: list) -> None:
+        for m, src in zip(self.layers, sources):
+            m.mask_source = src
