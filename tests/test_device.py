@@ -171,7 +171,8 @@ def test_cli_options_do_not_block_resume(tmp_path):
     assert all("peak_gpu_mb" in x for x in recs if x["kind"] == "train")
     r = _cli(base + ["--max-steps", "4", "--precision", "bf16", "--resume"])
     assert r.returncode != 0 and "train.precision: saved 'fp32', now 'bf16'" in r.stderr
-    r = _cli(base + ["--max-steps", "4", "--device", "cuda:x"])
+    fresh = [str(tmp_path / "run2") if a == str(tmp_path / "run") else a for a in base]  # a new run folder
+    r = _cli(fresh + ["--max-steps", "4", "--device", "cuda:x"])
     assert r.returncode != 0 and "device='cuda:x' is not a device; choose one of auto, cpu, cuda, cuda:N" in r.stderr
     r = _cli(base + ["--precision", "fp8"])
     assert r.returncode == 2 and "invalid choice: 'fp8'" in r.stderr
