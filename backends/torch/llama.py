@@ -121,7 +121,29 @@ class LlamaMLP(nn.Module):
         self.down_proj = LoRALinear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(SwiGLU.apply(gate, up))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` keeping only its two inputs for the backward pass (autograd's chain
+    would also keep ``silu(gate)``, one more (tokens, intermediate) tensor per layer):
+    d gate = g * up * s * (1 + gate * (1 - s)), d up = g * silu(gate), s = sigmoid(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        d_up = g * (gate * s) if ctx.needs_input_grad[1] else None
+        d_gate = (g * up) * (s * (1 + gate * (1 - s))) if ctx.needs_input_grad[0] else None
+        return d_gate, d_up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -232,11 +254,27 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, tensors: dict, partial: bool = False) -> None:
         """Copy numpy tensors (memory maps welcome: converted one at a time) into every
-        parameter (strict), or (``partial``) into those named."""
+        parameter (strict), or (``partial``) into those named.
+
+        A parameter still on the meta device (a model ``llama_from_pretrained`` builds) takes
+        the array itself when it is float32 and contiguous: the pages of a memory-mapped
+        checkpoint then back the weight, shared with the page cache and not the process's own
+        memory, as transformers' safetensors loading does; a write to it (an optimizer step,
+        ``merge_lora``) copies the page it touches (a copy-on-write map: the file never changes)."""
         params = dict(self.named_parameters())
         check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if not partial or n in tensors})
         for n in tensors:
-            params[n].copy_(torch.from_numpy(np.ascontiguousarray(tensors[n], dtype=np.float32)))
+            p, arr = params[n], tensors[n]
+            if not p.is_meta:
+                p.copy_(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
+                continue
+            if not (arr.dtype == np.float32 and arr.flags.c_contiguous and arr.flags.writeable):
+                arr = np.array(arr, dtype=np.float32, order="C")
+            owner, _, leaf = n.rpartition(".")
+            setattr(self.get_submodule(owner), leaf, nn.Parameter(torch.from_numpy(arr), requires_grad=p.requires_grad))
+        left = [n for n, p in self.named_parameters() if p.is_meta]
+        if left and not partial:
+            raise RuntimeError(f"parameters left without values: {left[:5]}")
 
     def load_partial(self, tensors: dict) -> None:
         """Copy a subset (an adapter); every name must exist with its shape."""
@@ -253,7 +291,13 @@ def llama_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | 
     with an adapter folder (ours or peft's); see ``lora_core.models.build.causal_lm_from_pretrained``."""
     from .inject import load_lora_adapter
 
-    return causal_lm_from_pretrained(LlamaForCausalLM, load_lora_adapter, path, adapter)
+    return causal_lm_from_pretrained(_on_meta, load_lora_adapter, path, adapter)
+
+
+def _on_meta(cfg: LlamaConfig) -> LlamaForCausalLM:
+    """The model without storage: ``load_weights`` gives every parameter the checkpoint's array."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
 
 
 def _np(x):

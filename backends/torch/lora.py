@@ -46,7 +46,11 @@ class LoRALinear(nn.Module):
         return self.lora_dropout(x)
 
     def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        return base + (self._drop(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+        # the scaling on the rank-r product and the sum fused into the second GEMM (addmm):
+        # two elementwise passes over the (tokens, out) output fewer than ``base + BAx * s``
+        h = (self._drop(x) @ self.lora_A.t()) * self.scaling
+        out = torch.addmm(base.reshape(-1, base.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_B.t())
+        return out.view(base.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode_weight is not None:
