@@ -18,6 +18,7 @@ from lora_core.lora.targeting import LayerPlan
 
 from ._gpu_check import ensure_gpu_ok
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, assign_keep_grad
+from .quant import LoRALinear4bit
 
 
 class _FanInFanOut:
@@ -53,7 +54,7 @@ def _lora_kind(m: nn.Module) -> str | None:
 def _plain_kind(m: nn.Module) -> str | None:
     if type(m) in (nn.Embedding, LoRAEmbedding):
         return "embedding"
-    if type(m) in (nn.Linear, LoRALinear):
+    if type(m) in (nn.Linear, LoRALinear, LoRALinear4bit):
         return "linear"
     if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and len(m.weight.shape) == 2:  # an HF-style port
         return "conv1d"
@@ -74,6 +75,9 @@ def _set_child(parent: nn.Module, child: str, new: nn.Module) -> None:
 
 
 def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, values, dropout: float) -> None:
+    if isinstance(old, LoRALinear4bit):  # a QLoRA base layer keeps its 4-bit weight: LoRA goes on in place
+        old.add_lora(plan.r, plan.scaling, dropout, values)
+        return
     bias = getattr(old, "bias", None) is not None
     if plan.kind == "embedding":
         new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha)

@@ -39,15 +39,33 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
     return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
 
 
-def from_pretrained(path, lora=None, adapter=None, trainable: bool = True):
+def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quantize: str | None = None,
+                    double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64):
     """Load a checkpoint of any causal-LM family (GPT-2, or Llama/Mistral/Qwen2 by its
     ``config.json``), optionally with an adapter (ours or peft's); see
-    ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``."""
+    ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``. ``quantize="nf4"``:
+    a QLoRA base (``lora_core.quant.qlora``), quantized while loading."""
+    if quantize is not None or not double_quant or compute_dtype != "float32" or blocksize != 64:
+        return _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize)
     other = _build.pretrained_for_family(path, lora, adapter, {"llama": llama_from_pretrained})
     if other is not None:
         return other
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
+
+
+def _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize):
+    from lora_core.quant.qlora import quant_config
+
+    from .quant import empty_model, to_4bit
+
+    if quantize is None:
+        raise ValueError("double_quant / compute_dtype / blocksize apply to quantize='nf4' only")
+    qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
+    if _build.checkpoint_family(path) != "llama" or lora is not None:
+        raise ValueError(f"{path}: quantize='nf4' is implemented for the Llama family (inject LoRA after loading)")
+    return _build.quantized_causal_lm_from_pretrained(lambda cfg: empty_model(LlamaForCausalLM, cfg), to_4bit,
+                                                      load_lora_adapter, path, qcfg, adapter)
 
 
 __all__ = [

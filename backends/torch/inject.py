@@ -17,6 +17,7 @@ from lora_core.lora.injection import describe_module, inject, require_injection
 from lora_core.lora.targeting import LayerPlan
 
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear
+from .quant import LoRALinear4bit
 
 
 class _FanInFanOut:
@@ -52,7 +53,7 @@ def _lora_kind(m: nn.Module) -> str | None:
 def _plain_kind(m: nn.Module) -> str | None:
     if isinstance(m, LoRAEmbedding) or (isinstance(m, nn.Embedding) and m.max_norm is None):
         return "embedding"
-    if type(m) in (nn.Linear, LoRALinear):
+    if type(m) in (nn.Linear, LoRALinear, LoRALinear4bit):
         return "linear"
     if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and m.weight.dim() == 2:
         return "conv1d"
@@ -65,6 +66,9 @@ def _describe(m: nn.Module, adapted_ok: bool = False):
 
 
 def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, values, dropout: float) -> None:
+    if isinstance(old, LoRALinear4bit):  # a QLoRA base layer keeps its 4-bit weight: LoRA goes on in place
+        old.add_lora(plan.r, plan.scaling, dropout, values)
+        return
     w = old.weight
     bias = getattr(old, "bias", None) is not None
     with torch.device("meta"):  # no throw-away allocation of the base-sized weight

@@ -79,3 +79,23 @@ def pretrained_for_family(path, lora, adapter, family_loaders: dict):
     if family not in family_loaders:
         raise ValueError(f"{path}: a {family} checkpoint is not a causal LM: load it with {family}_from_pretrained")
     return family_loaders[family](path, adapter)
+
+
+def quantized_causal_lm_from_pretrained(make_model, to_4bit, load_adapter, path, qcfg, adapter=None):
+    """``causal_lm_from_pretrained`` with a 4-bit base (``lora_core.quant.qlora``): the model
+    from ``make_model(cfg)`` (no weight memory committed yet), each projection's weight
+    quantized from the memory map one at a time and handed to ``to_4bit(model, states, qcfg)``
+    (the backend's 4-bit layers), the rest copied in; then the adapter."""
+    from ..quant.qlora import quantize_while_loading
+    from .llama import load_llama_checkpoint
+
+    cfg, tensors = load_llama_checkpoint(path)
+    model = make_model(cfg)
+    states = quantize_while_loading(tensors, qcfg)
+    to_4bit(model, states, qcfg)
+    del states
+    model.load_weights(tensors, partial=True)
+    del tensors
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return model

@@ -1,0 +1,104 @@
+"""QLoRA's 4-bit frozen base for Jittor (contract: ``backends.torch.quant``): the NF4 state
+lives in a tuple attribute (not parameters), and a ``jt.code`` CPU kernel dequantizes it for
+each product (``lora_core.quant.nf4``'s steps: ``dyn[q] * nested + offset``, then
+``NF4[code] * scale``, each rounded to float32)."""
+
+from __future__ import annotations
+
+import jittor as jt
+import numpy as np
+from jittor import nn
+
+from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
+from lora_core.quant.qlora import module_of
+
+from ._lean_layers import frozen_matmul_t
+from .lora import LoRALinear
+
+_SRC = """
+    const long n = out0_shape0 * out0_shape1, bs = {bs}, nbs = {nbs}, nested = {nested};
+    for (long i = 0; i < n; i++) {{
+        const long b = i / bs;
+        float s;
+        if (nested) {{
+            volatile float prod = in3_p[in1_p[b]] * in2_p[b / nbs];  // no fused multiply-add
+            s = prod + in2_p[in2_shape0 - 1];
+        }} else {{
+            s = in2_p[b];
+        }}
+        const unsigned char byte = in0_p[i >> 1];
+        const int c = (i & 1) ? (byte & 15) : (byte >> 4);
+        out0_p[i] = in4_p[c] * s;
+    }}
+"""
+
+
+def dequantize(layer) -> jt.Var:
+    """The float32 weight of ``layer``'s NF4 state (CPU kernel)."""
+    packed, absmax, nested_off = layer._nf4
+    nested = layer.nested
+    return jt.code(layer.shape, "float32", [packed, absmax, nested_off, jt.array(dynamic_map()), jt.array(NF4_CODE)],
+                   cpu_src=_SRC.format(bs=layer.blocksize, nbs=layer.nested_blocksize, nested=int(nested)))
+
+
+class LoRALinear4bit(LoRALinear):
+    """A frozen NF4 ``(out, in)`` weight plus ``LoRALinear``'s LoRA pair (``add_lora``)."""
+
+    def __init__(self, state: NF4State, bias=None, compute_dtype: str = "float32"):
+        self.out_features, self.in_features = state.shape
+        self.r, self.scaling, self.p, self.merged = 0, 0.0, 0.0, False
+        self.lora_dropout, self.mask_source, self.decode_weight = nn.Identity(), None, None
+        self.bias = bias
+        self.shape, self.blocksize, self.nested_blocksize = tuple(state.shape), state.blocksize, state.nested_blocksize
+        self.nested, self.compute_dtype = state.nested, compute_dtype
+        # nested scales with the offset appended (one float32 input to the kernel)
+        tail = np.concatenate([state.nested_absmax, [state.offset]]).astype(np.float32) if state.nested \
+            else np.asarray(state.absmax, np.float32)
+        self._nf4 = (jt.array(np.ascontiguousarray(state.packed).reshape(-1)),
+                     jt.array(np.ascontiguousarray(state.absmax).reshape(-1).astype(np.uint8 if state.nested else np.float32)),
+                     jt.array(tail))
+
+    @property
+    def weight(self) -> jt.Var:
+        """The dequantized weight (float32, no gradient), for reading."""
+        return self.dequantized()
+
+    def dequantized(self) -> jt.Var:
+        w = dequantize(self).stop_grad()
+        return w if self.compute_dtype == "float32" else w.cast("bfloat16").cast("float32")
+
+    def add_lora(self, r: int, scaling: float, dropout: float, values) -> None:
+        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer."""
+        self.r, self.scaling, self.p = r, scaling, dropout
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = jt.array(np.ascontiguousarray(values[0], np.float32))
+        self.lora_B = jt.array(np.ascontiguousarray(values[1], np.float32))
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        y = frozen_matmul_t(x, self.dequantized())
+        if self.bias is not None:
+            y = y + self.bias
+        if self.r:
+            y = self._lora_out(x, y)
+        return y
+
+    def merge(self) -> None:
+        raise NotImplementedError("a 4-bit base layer cannot hold a merged LoRA update; dequantize first")
+
+
+def to_4bit(model: nn.Module, states: dict, qcfg) -> None:
+    """Replace the modules named by ``states`` (canonical weight names) by 4-bit layers."""
+    mods = dict(model.named_modules())
+    for name, st in states.items():
+        parent, _, child = module_of(name).rpartition(".")
+        owner = mods[parent]
+        old = getattr(owner, child)
+        setattr(owner, child, LoRALinear4bit(st, getattr(old, "bias", None), qcfg.compute_dtype))
+
+
+def empty_model(model_cls, cfg):
+    """``model_cls(cfg)``: jittor's zeros are lazy, nothing is allocated until used."""
+    return model_cls(cfg)
+
+
+__all__ = ["LoRALinear4bit", "dequantize", "empty_model", "to_4bit"]

@@ -1,0 +1,110 @@
+"""QLoRA's 4-bit frozen base for PyTorch: ``LoRALinear4bit`` holds an NF4 weight (layout and
+rounding: ``lora_core.quant.nf4``; which weights: ``lora_core.quant.qlora``) and dequantizes
+it for each product, forward and backward (nothing of the dequantized weight is kept between
+them), LoRA on top as in ``LoRALinear``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
+from lora_core.quant.qlora import module_of
+
+from .lora import LoRALinear
+
+_NF4 = torch.from_numpy(NF4_CODE)
+_DYN = torch.from_numpy(dynamic_map())
+
+
+def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blocksize: int = 256) -> torch.Tensor:
+    """The float32 weight of an NF4 state (``NF4_CODE[code] * scale``, the spec's steps)."""
+    n = int(np.prod(shape))
+    codes = torch.stack([packed.view(-1) >> 4, packed.view(-1) & 15], dim=1).view(-1)[:n].long()
+    if nested is not None:
+        scale = _DYN.to(absmax.device)[absmax.long()] * nested.repeat_interleave(nested_blocksize)[:absmax.numel()]
+        scale = scale + offset
+    else:
+        scale = absmax
+    return (_NF4.to(packed.device)[codes] * scale.repeat_interleave(blocksize)[:n]).view(shape)
+
+
+class _Matmul4bit(torch.autograd.Function):
+    """``x W^T`` with W dequantized here and again for the input gradient (W is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return F.linear(x, layer.dequantized(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.layer.dequantized(g.dtype), None
+
+
+class LoRALinear4bit(LoRALinear):
+    """A frozen NF4 ``(out, in)`` weight plus ``LoRALinear``'s LoRA pair (added by ``add_lora``)."""
+
+    def __init__(self, state: NF4State, bias: nn.Parameter | None = None, compute_dtype: str = "float32"):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = state.shape
+        self.r, self.scaling, self.p, self.merged = 0, 0.0, 0.0, False
+        self.lora_dropout, self.mask_source, self.decode_weight = nn.Identity(), None, None
+        self.bias = bias
+        self.shape, self.blocksize, self.nested_blocksize = tuple(state.shape), state.blocksize, state.nested_blocksize
+        self.compute_dtype = getattr(torch, compute_dtype)
+        self.register_buffer("packed", torch.from_numpy(np.ascontiguousarray(state.packed)))
+        self.register_buffer("absmax", torch.from_numpy(np.ascontiguousarray(state.absmax)))
+        nested = None if not state.nested else torch.from_numpy(np.ascontiguousarray(state.nested_absmax))
+        self.register_buffer("nested_absmax", nested)
+        self.register_buffer("offset", None if not state.nested else torch.tensor(float(state.offset)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (float32, no gradient): a copy, for reading."""
+        return self.dequantized(torch.float32)
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        w = dequantize(self.packed, self.absmax, self.nested_absmax, self.offset, self.shape, self.blocksize,
+                       self.nested_blocksize)
+        return w.to(self.compute_dtype).to(dtype)
+
+    def add_lora(self, r: int, scaling: float, dropout: float, values) -> None:
+        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer."""
+        self.r, self.scaling, self.p = r, scaling, dropout
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values[0], np.float32)))
+        self.lora_B = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values[1], np.float32)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Matmul4bit.apply(x, self)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.r:
+            y = self._lora_out(x, y)
+        return y
+
+    def merge(self) -> None:
+        raise NotImplementedError("a 4-bit base layer cannot hold a merged LoRA update; dequantize first")
+
+
+def to_4bit(model: nn.Module, states: dict, qcfg) -> None:
+    """Replace the modules named by ``states`` (canonical weight names) by 4-bit layers."""
+    for name, st in states.items():
+        parent, _, child = module_of(name).rpartition(".")
+        owner = model.get_submodule(parent)
+        old = getattr(owner, child)
+        bias = old.bias if getattr(old, "bias", None) is not None else None
+        setattr(owner, child, LoRALinear4bit(st, bias, qcfg.compute_dtype))
+
+
+def empty_model(model_cls, cfg):
+    """``model_cls(cfg)`` without committing weight memory (meta, then uninitialised pages)."""
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    return model.to_empty(device="cpu")
+
+
+__all__ = ["LoRALinear4bit", "dequantize", "empty_model", "to_4bit"]

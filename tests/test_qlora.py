@@ -1,0 +1,128 @@
+"""QLoRA: a 4-bit NF4 base (lora_core.quant) in both backends, loaded from a tiny random
+transformers Llama checkpoint, quantized while loading.
+
+Checks: the base's weights are the spec's dequantized NF4 (and bitsandbytes' where its codes
+agree, tests/test_nf4.py); QLoRA logits and LoRA gradients equal those of LoRA on the
+dequantized float32 base; jittor against torch (logits and a short training loss curve)."""
+
+import numpy as np
+import pytest
+
+from lora_core import LoRATargetConfig
+from lora_core.models.llama import init_llama_weights, llama_config
+from lora_core.quant import nf4
+from lora_core.quant.qlora import is_quantized_weight
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+CFG = llama_config("tiny-llama")
+TARGET = LoRATargetConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import json
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    w = init_llama_weights(CFG, seed=3)
+    safetensors_torch.save_file({k: torch.from_numpy(v) for k, v in w.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    return d, w
+
+
+def _np(x):
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else x.numpy()
+
+
+def _dequantized_base(w):
+    return {k: (nf4.dequantize_nf4(nf4.quantize_nf4(v)) if is_quantized_weight(k) else v) for k, v in w.items()}
+
+
+def _ids():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9))
+
+
+def _lora_values(model, bk):
+    """Seeded numpy LoRA values (B nonzero so that gradients reach A too), set in place."""
+    rng = np.random.default_rng(7)
+    vals = {n: (rng.standard_normal(tuple(p.shape)) * 0.05).astype(np.float32)
+            for n, p in bk.trainable_parameters(model).items()}
+    model.load_partial(vals)
+    return vals
+
+
+def _loss_and_grads(bk, model, ids):
+    if bk.NAME == "torch":
+        logits, _ = model(torch.from_numpy(ids))
+        loss = logits.float().pow(2).mean()
+        params = bk.trainable_parameters(model)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return _np(logits), {n: _np(g) for n, g in zip(params, grads)}
+    import jittor as jt
+
+    logits, _ = model(jt.array(ids))
+    loss = (logits * logits).mean()
+    params = bk.trainable_parameters(model)
+    grads = jt.grad(loss, list(params.values()))
+    return logits.numpy(), {n: g.numpy() for n, g in zip(params, grads)}
+
+
+def _scale(x):
+    return max(float(np.abs(x).max()), 1e-30)
+
+
+def test_qlora_equals_lora_on_dequantized_base(backend, ckpt, tmp_path):
+    d, w = ckpt
+    q = backend.from_pretrained(d, quantize="nf4")
+    backend.inject_lora(q, TARGET)
+    vals = _lora_values(q, backend)
+    # the reference: plain LoRA on the dequantized float32 base, saved as a checkpoint
+    ref_dir = tmp_path / "deq"
+    ref_dir.mkdir()
+    safetensors_torch.save_file({k: torch.from_numpy(v) for k, v in _dequantized_base(w).items()},
+                                str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text((d / "config.json").read_text())
+    ref = backend.from_pretrained(ref_dir)
+    backend.inject_lora(ref, TARGET)
+    ref.load_partial(vals)
+    lq, gq = _loss_and_grads(backend, q, _ids())
+    lr, gr = _loss_and_grads(backend, ref, _ids())
+    assert np.abs(lq - lr).max() <= 1e-5 * _scale(lr)
+    assert gq.keys() == gr.keys() and len(gq) == 2 * 3 * CFG.num_hidden_layers
+    for n in gq:
+        assert np.abs(gq[n] - gr[n]).max() <= 1e-5 * _scale(gr[n]), n
+    # the 4-bit layers hold the spec's dequantized weights
+    layer = q.model.layers[0].self_attn.q_proj
+    assert np.array_equal(_np(layer.weight), _dequantized_base(w)["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_jittor_matches_torch(ckpt):
+    from lora_core import get_backend
+
+    d, _ = ckpt
+    out = {}
+    for name in ("torch", "jittor"):
+        bk = get_backend(name)
+        m = bk.from_pretrained(d, quantize="nf4")
+        bk.inject_lora(m, TARGET)
+        _lora_values(m, bk)
+        logits, grads = _loss_and_grads(bk, m, _ids())
+        out[name] = logits, grads
+    (lt, gt), (lj, gj) = out["torch"], out["jittor"]
+    assert np.abs(lt - lj).max() <= 1e-5 * _scale(lt)
+    for n in gt:
+        assert np.abs(gt[n] - gj[n]).max() <= 1e-5 * _scale(gt[n]), n
+
+
+def test_refusals(ckpt):
+    from lora_core import get_backend
+
+    bk = get_backend("torch")
+    d, _ = ckpt
+    with pytest.raises(ValueError, match="only 'nf4'"):
+        bk.from_pretrained(d, quantize="fp4")
+    with pytest.raises(ValueError, match="block size bitsandbytes allows"):
+        bk.from_pretrained(d, quantize="nf4", blocksize=100)
+    with pytest.raises(ValueError, match="quantize='nf4' only"):
+        bk.from_pretrained(d, double_quant=False)
