@@ -82,3 +82,35 @@ def spawn(module: str, spec: dict, threads: int) -> dict:
 
 
 __all__ = ["error_reason", "exit_reason", "run_as_worker", "spawn"]
+
+
+# --------------------------------------------------------------------------- environment
+
+PACKAGES = ("torch", "jittor", "transformers", "peft", "bitsandbytes")
+
+
+def environment() -> dict:
+    """What a benchmark ran with: the versions of ``PACKAGES`` (None: not installed), the CPU
+    model and count, and the load average now (call it before the runs)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "unknown")
+    return {"versions": versions, "cpu": cpu, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+
+
+def environment_line(env: dict) -> str:
+    """One line of ``environment()`` for a benchmark's printed table."""
+    v = env["versions"]
+    return (f"CPU {env['cpu']} ({env['cpus']} CPUs), load average at start {env['loadavg_start'][0]:.2f}; "
+            + ", ".join(f"{k} {v[k] or '-'}" for k in PACKAGES))
+

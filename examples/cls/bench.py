@@ -38,7 +38,7 @@ import lora_core as lc
 from lora_core.data import cls_data
 from lora_core.models.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
 
-from ..bench_worker import run_as_worker, spawn
+from ..bench_worker import environment, environment_line, run_as_worker, spawn
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 BATCH, ACCUM, EVAL_BATCH, LR = 16, 2, 64, 2e-4
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"--systems: unknown {bad}; choose from {SYSTEMS}")
+    env = environment()
     raw = {s: [] for s in systems}
     for rep in range(args.repeats):
         for s in systems[rep % len(systems) :] + systems[: rep % len(systems)]:
@@ -233,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             load = os.getloadavg()[0]
             raw[s].append(dict(spawn("examples.cls.bench", spec, args.threads), loadavg_start=load))
     table = summarise(raw)
+    print(environment_line(env))
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "raw": raw}, indent=1))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "environment": env,
+                                         "raw": raw}, indent=1))
     return 0 if all("error" not in r for runs in raw.values() for r in runs) else 1
 
 

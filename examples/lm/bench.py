@@ -57,20 +57,18 @@ import sys
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
 from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_weights, llama_config
 
-from ..bench_worker import run_as_worker, spawn
+from ..bench_worker import environment, environment_line, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
 from .bench_systems import ALPHA, SEED, TARGETS, R, lora_arrays, make_system, token_rows
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 PROMPT_LEN, DECODE_B_STD = 32, 0.02
-PACKAGES = ("torch", "jittor", "transformers", "peft", "bitsandbytes")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -245,23 +243,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def environment() -> dict:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), "unknown")  # fmt: skip
-    return {"versions": versions, "cpu": cpu, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
@@ -321,14 +304,12 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         m["peak_fraction"] = None if tok_s is None else m["gflops"] / peak["peak_gflops"]
         m["same_tokens"] = same[s]
         m["loss0"] = next((r["loss"][0] for r in raw[s] if "loss" in r), None)
-    v = env["versions"]
     lines = [f"shape {args.shape} (hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, MLP {cfg.intermediate_size}, "
              f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}); LoRA r {R} alpha "
              f"{ALPHA:g} on {','.join(t.removesuffix('_proj') for t in TARGETS)}; batch {args.batch} x block {args.block}; "
              f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); greedy "
              f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
-             f"CPU {env['cpu']} ({env['cpus']} CPUs), load average at start {env['loadavg_start'][0]:.2f}; "
-             + ", ".join(f"{k} {v[k] or '-'}" for k in PACKAGES),
+             environment_line(env),
              f"FLOPs per trained token {flops['train_step'] / 1e6:.1f} M (2 matmul {flops['matmul'] / 1e6:.1f} M + 3 "
              f"attention {flops['attention'] / 1e6:.2f} M + 3 LoRA {flops['lora'] / 1e6:.2f} M; forward "
              f"{flops['forward'] / 1e6:.1f} M); fp32 GEMM peak {peak['peak_gflops']:.1f} GFLOP/s "

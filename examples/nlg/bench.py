@@ -66,7 +66,7 @@ from lora_core.device import DEVICE_CHOICES, parse_device
 from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.precision import PRECISIONS
 
-from ..bench_worker import run_as_worker, spawn
+from ..bench_worker import environment, environment_line, run_as_worker, spawn
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")  # the default set
@@ -372,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     for need in ("e2e/train.txt", "e2e/test.txt", "gpt2-vocab"):
         if not (args.data_dir / need).exists():
             p.error(f"--data-dir {args.data_dir}: {need} is missing")
-    t0, version = time.perf_counter(), code_version()
+    t0, version, env = time.perf_counter(), code_version(), environment()
     raw = run_all(args)
     table, summary = summarise(raw, args)
+    print(environment_line(env))
     print(table.lstrip("\n"))
     print(
         f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.nlg.bench {' '.join(argv)})"
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
         settings["code"] = version
-        args.json.write_text(json.dumps({"settings": settings, "raw": raw, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"settings": settings, "environment": env, "raw": raw, "summary": summary},
+                                        indent=1))
     errors = any(k.endswith("_error") for by in raw.values() for runs in by.values() for r in runs for k in r)
     return 1 if errors else 0
 
