@@ -7,7 +7,7 @@ from __future__ import annotations
 import jittor as jt
 import numpy as np
 
-from lora_core.train.optim import AdamWConfig, pack_state, step_size, unpack_state
+from lora_core.train.optim import AdamWConfig, decays, pack_state, step_size, unpack_state
 from lora_core.train.precision import DynamicLossScale
 
 from .lora import assign_keep_grad
@@ -18,6 +18,7 @@ class AdamW:
 
     def __init__(self, params: dict, cfg: AdamWConfig = AdamWConfig()):
         self.params, self.cfg, self.t = dict(params), cfg, 0
+        self.decay = {n: decays(n, tuple(p.shape), cfg.decay) for n, p in self.params.items()}
         self.m = {n: jt.zeros(p.shape).stop_grad() for n, p in self.params.items()}
         self.v = {n: jt.zeros(p.shape).stop_grad() for n, p in self.params.items()}
         self.grads: dict | None = None
@@ -80,7 +81,7 @@ class AdamW:
                 m = self.m[n].update(self.m[n] * b1 + g * (1 - b1))
                 v = self.v[n].update(self.v[n] * b2 + g * g * (1 - b2))
                 new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
-                if self.cfg.weight_decay > 0:
+                if self.cfg.weight_decay > 0 and self.decay[n]:
                     new = new - lr * self.cfg.weight_decay * new
                 assign_keep_grad(p, new)
         jt.sync(list(self.params.values()) + list(self.m.values()) + list(self.v.values()))

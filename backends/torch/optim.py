@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lora_core.train.optim import AdamWConfig, pack_state, step_size, unpack_state
+from lora_core.train.optim import AdamWConfig, decays, pack_state, step_size, unpack_state
 from lora_core.train.precision import DynamicLossScale
 
 
@@ -22,6 +22,7 @@ class AdamW:
 
     def __init__(self, params: dict[str, torch.nn.Parameter], cfg: AdamWConfig = AdamWConfig()):
         self.params, self.cfg, self.t = dict(params), cfg, 0
+        self.decay = {n: decays(n, tuple(p.shape), cfg.decay) for n, p in self.params.items()}
         self.m = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.v = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.loss_scale = DynamicLossScale(cfg.loss_scale) if cfg.loss_scale is not None else None
@@ -78,7 +79,7 @@ class AdamW:
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             p.addcdiv_(m, v.sqrt().add_(self.cfg.eps), value=-size)
-            if self.cfg.weight_decay > 0:
+            if self.cfg.weight_decay > 0 and self.decay[n]:
                 p.add_(p, alpha=-lr * self.cfg.weight_decay)
             p.grad = None
 

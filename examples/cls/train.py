@@ -1,4 +1,5 @@
-"""LoRA-tune a DistilBERT classifier on SST-2 with a named recipe, in either backend.
+"""LoRA-tune (or, ``--method full``, fully fine-tune) a DistilBERT classifier on SST-2 with a
+named recipe, in either backend.
 
 Reads the output of ``examples.cls.prepare`` (``train.jsonl``, ``dev.jsonl``, optionally
 ``test.jsonl``) and a HF DistilBERT folder (``config.json`` + ``model.safetensors`` or
@@ -12,6 +13,7 @@ seeded classification head), injects LoRA as the recipe says, and trains with
         --prepared out/sst2 --base pretrained/distilbert-base-uncased --out-dir runs/sst2-torch
     python -m examples.cls.train ... --out-dir runs/sst2-torch --resume        # after a kill
     python -m examples.cls.train ... --set train.lr=5e-4 lora.r=8                # overrides
+    python -m examples.cls.train ... --method full    # every weight; ckpt-N/ is a transformers checkpoint
     python -m examples.cls.train ... --device cuda --precision bf16             # on a GPU
     torchrun --nproc_per_node 2 -m examples.cls.train --backend torch ...      # data parallel
     mpirun -np 2 python -m examples.cls.train --backend jittor ...
@@ -28,6 +30,7 @@ import lora_core
 from lora_core.data.nlg import check_data_file
 from lora_core.device import DEVICE_CHOICES
 from lora_core.train.distributed import run_job
+from lora_core.train.full_ft import check_full_ft_input
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import CLS_RECIPES, apply_overrides
 from lora_core.train.run_dir import check_out_dir
@@ -51,10 +54,11 @@ def read_split(prepared: Path, split: str) -> list[tuple[list[int], int]]:
 
 
 def build(backend, base: Path, recipe):
-    """The DistilBERT classifier of ``base`` with the recipe's LoRA injected (a base without a
-    classification head gets one drawn from the recipe's seed)."""
+    """The DistilBERT classifier of ``base`` with the recipe's LoRA injected (``method="lora"``;
+    a base without a classification head gets one drawn from the recipe's seed)."""
     model = backend.distilbert_from_pretrained(base, num_labels=2, head_seed=recipe.train.seed)
-    backend.inject_lora(model, recipe.lora)
+    if recipe.train.method == "lora":
+        backend.inject_lora(model, recipe.lora)
     return model
 
 
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
     p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    p.add_argument("--method", choices=("lora", "full"),
+                   help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
     p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
     p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
     resume = p.add_mutually_exclusive_group()
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=args.max_steps))
         if args.precision is not None:
             recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision=args.precision))
+        if args.method is not None:
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, method=args.method))
+        if recipe.train.method == "full":
+            check_full_ft_input("--base", args.base, args.overrides)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         summary = run(

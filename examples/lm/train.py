@@ -1,5 +1,5 @@
-"""LoRA-train a causal LM (a Llama-family checkpoint, or GPT-2) on packed text blocks, in
-either backend.
+"""LoRA-train (or, ``--method full``, fully fine-tune) a causal LM (a Llama-family checkpoint, or
+GPT-2) on packed text blocks, in either backend.
 
 Reads the output of ``examples.lm.prepare`` (``train.jsonl``, ``valid.jsonl``, ``meta.json``),
 loads the base (``--init-checkpoint``: a transformers checkpoint folder, any layout; or
@@ -12,6 +12,7 @@ the recipe's LoRA (peft semantics, ``lora_core.train.recipes.LM_RECIPES``) and t
         --prepared out/wikitext2-llama --init-checkpoint Llama-3.2-3B/ --out-dir runs/wt2-llama
     python -m examples.lm.train ... --out-dir runs/wt2-llama --resume             # after a kill
     python -m examples.lm.train ... --set train.lr=1e-4 lora.r=16 lora.target_modules=q_proj,v_proj
+    python -m examples.lm.train ... --method full   # every weight; ckpt-N/ is a transformers checkpoint
     python -m examples.lm.train --recipe lm-demo --prepared out/lm-demo --random-init tiny-llama \\
         --vocab-size 512 --save-base --out-dir runs/lm-demo
     torchrun --nproc_per_node 2 -m examples.lm.train --backend torch ...     # data parallel
@@ -37,6 +38,7 @@ from lora_core.formats.hf_checkpoint import write_hf_checkpoint
 from lora_core.formats.tensor_files import read_json
 from lora_core.models import llama as llama_spec
 from lora_core.train.distributed import run_job
+from lora_core.train.full_ft import check_full_ft_input
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import LM_RECIPES, apply_overrides
 from lora_core.train.run_dir import check_out_dir
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
     p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    p.add_argument("--method", choices=("lora", "full"),
+                   help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
     p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
     p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
     p.add_argument("--grad-checkpoint", action="store_true", help="recompute each layer in the backward pass")
@@ -129,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     def body(job) -> str:
         check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
         recipe = apply_overrides(LM_RECIPES[args.recipe], args.overrides)
-        cfg = recipe.train
+        cfg = recipe.train if args.method is None else dataclasses.replace(recipe.train, method=args.method)
+        if cfg.method == "full":
+            check_full_ft_input("--init-checkpoint", args.init_checkpoint, args.overrides)
         if args.max_steps is not None:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         if args.precision is not None:
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args)
         check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
-        backend.inject_lora(model, recipe.lora)
+        if cfg.method == "lora":
+            backend.inject_lora(model, recipe.lora)
         backend.to_device(model, args.device)
         backend.set_grad_checkpoint(model, args.grad_checkpoint)
         summary = train(backend, model, train_blocks, valid_blocks, cfg, args.out_dir, resume=args.resume,

@@ -1,4 +1,4 @@
-"""Train a LoRA adapter on encoded NLG data with one of the paper's recipes.
+"""Train a LoRA adapter (or, ``--method full``, every weight) on encoded NLG data with one of the paper's recipes.
 
 Reads encoded JSONL (``examples.nlg.prepare`` output: ``{"context": ids, "completion": ids}``)
 and writes the run folder described in ``lora_core.train.trainer``. Examples::
@@ -9,6 +9,8 @@ and writes the run folder described in ``lora_core.train.trainer``. Examples::
     python -m examples.nlg.train --backend jittor --recipe toy --train out/toy/train.jsonl \\
         --valid out/toy/valid.jsonl --random-init tiny --vocab-size 512 --save-base \\
         --out-dir runs/toy --set lr=1e-3 eval_every=50
+    python -m examples.nlg.train --backend torch --recipe e2e-medium-ft ...   # full fine-tuning (paper's FT row)
+    python -m examples.nlg.train ... --recipe toy --method full     # any recipe, every weight trained
     python -m examples.nlg.train ... --out-dir runs/toy --resume   # continue after a kill
     python -m examples.nlg.train ... --out-dir runs/toy --resume-from runs/toy/ckpt-600
                                    # when --resume reports the latest checkpoint damaged
@@ -20,7 +22,9 @@ and writes the run folder described in ``lora_core.train.trainer``. Examples::
 ``--init-checkpoint`` takes HF/OpenAI GPT-2 files (``model.safetensors`` or
 ``pytorch_model.bin``, with ``config.json``) or a ``save_model`` folder; ``--random-init``
 draws a base from ``lora_core.init_gpt2_weights(preset, --init-seed)`` (identical in both
-backends), and ``--save-base`` writes it to ``OUT/base`` for decoding later.
+backends), and ``--save-base`` writes it to ``OUT/base`` for decoding later. With ``--method
+full`` each ``ckpt-N/`` is the whole model in transformers' GPT-2 layout (``lora_core.train.full_ft``),
+loadable as ``--init-checkpoint`` or by ``transformers.AutoModelForCausalLM.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from lora_core.data.nlg import check_data_file, read_encoded
 from lora_core.device import DEVICE_CHOICES
 from lora_core.formats.checkpoint import save_model
 from lora_core.train.distributed import run_job
+from lora_core.train.full_ft import check_full_ft_input
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.train.run_dir import check_out_dir
@@ -87,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume names when the latest checkpoint is damaged)",
     )
     parser.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    parser.add_argument("--method", choices=("lora", "full"),
+                        help="lora: train the adapter; full: every weight (default: the recipe's)")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -126,18 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     def body(job) -> str:
         # bad input is refused before any work: the run folder, then the data (read whole, strictly)
         check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
+        overrides = [kv for group in args.overrides for kv in group]
+        recipe = get_recipe(args.recipe)
+        if (args.method or apply_overrides(recipe.train, overrides).method) == "full":
+            check_full_ft_input("--init-checkpoint", args.init_checkpoint, overrides)
         train_data = read_encoded(check_data_file(args.train, "--train"))
         valid_data = read_encoded(check_data_file(args.valid, "--valid")) if args.valid else None
-        recipe = get_recipe(args.recipe)
         args.recipe_model = recipe.model
-        cfg = apply_overrides(recipe.train, [kv for group in args.overrides for kv in group])
+        cfg = apply_overrides(recipe.train, overrides)
+        if args.method is not None:
+            cfg = dataclasses.replace(cfg, method=args.method)
         if args.max_steps is not None:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         if args.precision is not None:
             cfg = dataclasses.replace(cfg, precision=args.precision)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
-        model, note = build(backend, args, cfg.lora_config(), comm)
+        model, note = build(backend, args, cfg.lora_config() if cfg.method == "lora" else None, comm)
         backend.to_device(model, args.device)  # device, grad_checkpoint, compile do not change results: not in cfg
         backend.set_grad_checkpoint(model, args.grad_checkpoint)
         if args.compile:

@@ -82,6 +82,12 @@ class TrainConfig:
         precision: ``fp32`` (exact), ``bf16`` or ``fp16`` autocast of the forward pass
             (``lora_core.train.precision``); LoRA parameters and optimizer state stay float32.
         loss_scale: initial dynamic loss scale of ``fp16`` runs (``GradScaler``'s 2**16).
+        method: ``lora`` trains the adapter (and what its config trains); ``full`` trains every
+            weight of a model without LoRA (checkpoints hold the whole model in transformers'
+            layout, ``lora_core.train.full_ft``); the ``lora_*`` fields then do not apply.
+        decay_all: full fine-tuning only: weight decay on every weight; default (False) on
+            matrices only, none on norms, biases and embeddings (``lora_core.train.optim.decays``).
+            LoRA runs decay every trained tensor, as the paper code does.
     """
 
     batch_size: int = 8
@@ -111,9 +117,15 @@ class TrainConfig:
     log_every: int = 100
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = 2.0**16
+    method: Literal["lora", "full"] = "lora"
+    decay_all: bool = False
 
     def __post_init__(self):
         c = "TrainConfig"
+        _check(self.method in ("lora", "full"), c, "method", self.method, "'lora' or 'full'")
+        _check(isinstance(self.decay_all, bool), c, "decay_all", self.decay_all, "a bool")
+        _check(not self.decay_all or self.method == "full", c, "decay_all", self.decay_all,
+               "False with method='lora' (LoRA decays every trained tensor; decay_all is full fine-tuning's)")
         check_precision(self.precision, f"{c}.precision")
         _check(isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0, c, "loss_scale", self.loss_scale,
                "a number > 0")
@@ -181,6 +193,7 @@ class TrainConfig:
             weight_decay=self.weight_decay,
             correct_bias=self.correct_bias,
             loss_scale=scaling,
+            decay="matrices" if self.method == "full" and not self.decay_all else "all",
         )
 
     def to_dict(self) -> dict:
@@ -215,6 +228,21 @@ RECIPES: dict[str, Recipe] = {
     for ds, (t, b) in _PER_DATASET.items()
     for size in ("medium", "large")
 }
+# Full fine-tuning of GPT-2 Medium on E2E (the LoRA paper's "FT" row, Table 3: BLEU 68.2).
+# Sources: Hu et al. 2021 (arXiv:2106.09685), appendix D.3: the GPT-2 runs use AdamW with a linear
+# schedule for 5 epochs and take batch size, learning rate and beam size from Li & Liang 2021
+# (Prefix-Tuning, arXiv:2101.00190); their section 5's setting: batch size 5, lr 5e-5, beam 5.
+# Not re-checked against Li & Liang's appendix table of per-method values (no copy of it here).
+# Left at transformers' Trainer defaults, which Li & Liang's code ran with: no warm-up, no weight
+# decay; no label smoothing. Decoding otherwise as Table 11's E2E column.
+RECIPES["e2e-medium-ft"] = Recipe(
+    "e2e-medium-ft",
+    "e2e",
+    "gpt2-medium",
+    TrainConfig(method="full", batch_size=5, epochs=5, lr=5e-5, warmup=0, weight_decay=0.0, label_smooth=0.0,
+                lora_dropout=0.0),
+    BeamConfig(**dict(_BEAM, beam=5), length_penalty=0.9),
+)
 # The embedded demo: a tiny GPT-2 on the toy restaurant set (lora_core.data.toy), minutes on a CPU.
 # Not from the paper: a larger lr and a short warm-up because the run is a few hundred updates.
 RECIPES["toy"] = Recipe(

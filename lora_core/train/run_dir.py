@@ -9,7 +9,7 @@ damaged later (a cut copy, a full disk) is never skipped silently: ``resume_poin
 it with the newest earlier checkpoint that reads completely, to be resumed from explicitly.
 
 The adapter's files are the task's business (``lora_core.train.tasks``): the functions here
-take an ``adapter`` object with ``shapes()`` (name -> shape of every trained tensor),
+take an ``adapter`` object with ``FILES`` (the names it writes), ``shapes()`` (name -> shape of every trained tensor),
 ``write(folder, tensors)`` and ``read(folder) -> tensors`` (strict: a mismatch with the model
 raises ``ValueError``, a damaged file ``CheckpointError``).
 """
@@ -219,7 +219,8 @@ def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
         ValueError: the checkpoint belongs to another model or LoRA config.
     """
     path = Path(path)
-    missing = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_TENSORS, STATE_JSON) if not (path / n).is_file()]
+    files = getattr(adapter, "FILES", (ADAPTER_CONFIG, ADAPTER_WEIGHTS))  # full fine-tuning: the whole model
+    missing = [n for n in (*files, STATE_TENSORS, STATE_JSON) if not (path / n).is_file()]
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
     tensors = adapter.read(path)

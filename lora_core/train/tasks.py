@@ -26,7 +26,7 @@ import numpy as np
 from ..data import cls_data
 from ..data.batching import collate as collate_pairs
 from ..formats import adapter_io
-from ..formats.checkpoint import adapter_shapes, load_adapter, save_adapter
+from ..formats.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shapes, load_adapter, save_adapter
 from ..lora.injection import injection_of
 from .distributed import Comm, shard_range
 from .run_dir import fingerprint
@@ -40,6 +40,8 @@ __all__ = ["ClassificationTask", "GPT2AdapterFiles", "InjectedAdapterFiles", "LM
 class GPT2AdapterFiles:
     """A GPT-2 adapter in a checkpoint folder (``save_adapter``): strict, and refused when it
     was trained with another LoRA config or on another base shape."""
+
+    FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # what ``write`` puts in a checkpoint folder
 
     def __init__(self, model_config, lora_config, base: str | None = None):
         self.model_config, self.lora_config, self.base = model_config, lora_config, base
@@ -63,6 +65,8 @@ class GPT2AdapterFiles:
 class InjectedAdapterFiles:
     """The adapter of an injected model (``inject_lora``) in a checkpoint folder, our format;
     refused when its targeting config or a tensor shape differs from the model's."""
+
+    FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
     def __init__(self, injection, param_shapes: dict[str, tuple[int, ...]], base: str | None = None):
         self.injection, self.param_shapes, self.base = injection, dict(param_shapes), base
@@ -152,6 +156,10 @@ class LMTask:
         lora = inj.config if inj is not None else model.lora_config
         return {"model": model.config.to_dict(), "lora": lora.to_dict()}
 
+    def trained_tensors(self, backend, model) -> dict[str, np.ndarray]:
+        """What a checkpoint stores of the model: the adapter."""
+        return backend.lora_state_dict(model)
+
     def adapter_files(self, backend, model, base: str | None) -> GPT2AdapterFiles | InjectedAdapterFiles:
         if injection_of(model) is not None:
             shapes = {n: tuple(v.shape) for n, v in backend.lora_state_dict(model).items()}
@@ -220,6 +228,9 @@ class ClassificationTask:
     def describe(self, model) -> dict:
         return {"model": model.config.to_dict(), "lora": injection_of(model).config.to_dict()}
 
+    def trained_tensors(self, backend, model) -> dict[str, np.ndarray]:
+        return backend.lora_state_dict(model)
+
     def adapter_files(self, backend, model, base: str | None) -> InjectedAdapterFiles:
         shapes = {n: tuple(v.shape) for n, v in backend.lora_state_dict(model).items()}
         return InjectedAdapterFiles(injection_of(model), shapes, base)
@@ -236,8 +247,8 @@ class ClassificationTask:
 
 
 def task_for(model) -> LMTask | ClassificationTask:
-    """The task a model trains on by default: classification for a model with injected LoRA
-    and ``num_labels`` in its config, else the causal LM."""
-    if injection_of(model) is not None and hasattr(getattr(model, "config", None), "num_labels"):
+    """The task a model trains on by default: classification for a model with ``num_labels``
+    in its config (DistilBERT, with injected LoRA or fully fine-tuned), else the causal LM."""
+    if hasattr(getattr(model, "config", None), "num_labels"):
         return ClassificationTask()
     return LMTask()

@@ -16,7 +16,8 @@ Differences from the paper code, on purpose:
 - validation NLL is averaged over tokens (the paper averages per-batch means);
 - with ``grad_accum`` the schedule counts optimizer updates (the paper steps its scheduler
   per micro-batch, so its ``--warmup_step`` is in micro-batches);
-- checkpoints hold the adapter only, plus what an exact resume needs.
+- checkpoints hold the adapter only, plus what an exact resume needs (with
+  ``cfg.method == "full"``: the whole model, ``lora_core.train.full_ft``).
 
 Exact resume. Everything random is a function of ``(seed, epoch)`` or ``(seed, step)``: the
 data order is ``numpy.random.default_rng([seed, epoch]).permutation(N)``, and the framework
@@ -58,6 +59,7 @@ from ..lora.layers import lora_layers
 from ..progress import step_bar
 from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
 from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
+from .full_ft import FullFineTuning
 from .precision import precision_log
 from .recipes import TrainConfig
 from .run_dir import (
@@ -150,11 +152,15 @@ class Trainer:
         task=None,
     ):
         self.task = task or task_for(model)
-        if isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None \
+        if cfg.method == "full":  # every weight trains; checkpoints hold the whole model
+            self.task = FullFineTuning(self.task)
+        elif isinstance(self.task, LMTask) and getattr(model, "lora_config", None) is None \
                 and injection_of(model) is None:
             raise ValueError("the model has no LoRA: build a GPT-2 with lora=cfg.lora_config(), or call "
                              "inject_lora(model, LoRATargetConfig(...)) first")
         self.task.check_config(cfg, model)
+        if cfg.method == "full":
+            self.task.check_trainable(backend, model)
         self.backend, self.model, self.cfg = backend, model, cfg
         self.comm = comm or Comm()
         backend.set_precision(model, cfg.precision)  # issue 8: forward passes in cfg.precision
@@ -230,7 +236,7 @@ class Trainer:
             "backend": self.backend.NAME,
             "world_size": self.comm.world.size,
         }
-        tensors = self.backend.lora_state_dict(self.model)
+        tensors = self.task.trained_tensors(self.backend, self.model)
         return self.comm.on_main(
             write_checkpoint, self.out_dir, s.step, self._adapter_files(), tensors, self.optimizer.state_numpy(), meta
         )
