@@ -57,7 +57,8 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quant
     ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``. ``quantize="nf4"``:
     a QLoRA base (``lora_core.quant.qlora``), quantized while loading."""
     _ensure_gpu_ok()  # before reading the checkpoint (the models' constructors check too)
-    if quantize is not None or not double_quant or compute_dtype != "float32" or blocksize != 64:
+    if quantize is not None or not double_quant or compute_dtype != "float32" or blocksize != 64 \
+            or _prequantized(path):
         return _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize)
     other = _build.pretrained_for_family(path, lora, adapter, {"llama": llama_from_pretrained})
     if other is not None:
@@ -66,18 +67,22 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quant
                                   load_lora_adapter)
 
 
+def _prequantized(path) -> bool:
+    """Whether ``path`` is a 4-bit checkpoint (config.json's quantization_config; another
+    quantization method or type raises ValueError naming what is supported)."""
+    from lora_core.formats.bnb4bit import quantization_config
+
+    return path is not None and quantization_config(path) is not None
+
+
 def _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize):
-    from lora_core.quant.qlora import quant_config
+    from .quant import from_pretrained_4bit
 
-    from .quant import empty_model, to_4bit
-
-    if quantize is None:
+    if lora is not None:
+        raise ValueError(f"{path}: a 4-bit base takes LoRA from inject_lora or an adapter folder, not lora=")
+    if quantize is None and not _prequantized(path):
         raise ValueError("double_quant / compute_dtype / blocksize apply to quantize='nf4' only")
-    qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
-    if _build.checkpoint_family(path) != "llama" or lora is not None:
-        raise ValueError(f"{path}: quantize='nf4' is implemented for the Llama family (inject LoRA after loading)")
-    return _build.quantized_causal_lm_from_pretrained(lambda cfg: empty_model(LlamaForCausalLM, cfg), to_4bit,
-                                                      load_lora_adapter, path, qcfg, adapter)
+    return from_pretrained_4bit(path, adapter, quantize, double_quant, compute_dtype, blocksize, quantize is not None)
 
 
 __all__ = [
@@ -99,3 +104,8 @@ from .llama import LlamaForCausalLM, llama_from_pretrained  # noqa: E402
 __all__ += ["DistilBertForSequenceClassification", "cls_eval", "cls_loss", "cls_predict", "cls_train_step", "distilbert_from_pretrained",
             "inject_lora", "load_lora_adapter", "mark_only_lora_trainable", "save_lora_adapter",
             "LlamaForCausalLM", "llama_from_pretrained"]
+
+# QLoRA: a 4-bit base saved as a bitsandbytes checkpoint (quant.py)
+from .quant import save_quantized  # noqa: E402
+
+__all__ += ["save_quantized"]

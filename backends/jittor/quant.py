@@ -50,6 +50,7 @@ class LoRALinear4bit(LoRALinear):
         self.lora_dropout, self.mask_source, self.decode_weight = nn.Identity(), None, None
         self.bias = bias
         self.shape, self.blocksize, self.nested_blocksize = tuple(state.shape), state.blocksize, state.nested_blocksize
+        self.quant_dtype, self.compute_dtype_name = state.dtype, compute_dtype  # written back on saving
         self.nested, self.compute_dtype = state.nested, compute_dtype
         # nested scales with the offset appended (one float32 input to the kernel)
         tail = np.concatenate([state.nested_absmax, [state.offset]]).astype(np.float32) if state.nested \
@@ -101,4 +102,53 @@ def empty_model(model_cls, cfg):
     return model_cls(cfg)
 
 
-__all__ = ["LoRALinear4bit", "dequantize", "empty_model", "to_4bit"]
+def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool = True, compute_dtype: str = "float32",
+                         blocksize: int = 64, explicit: bool = True):
+    """A QLoRA base (Llama family or GPT-2): ``lora_core.quant.checkpoint4bit.load_4bit_checkpoint``
+    (a bitsandbytes checkpoint as it is, or quantized while loading), then the adapter."""
+    from lora_core.quant.checkpoint4bit import load_4bit_checkpoint
+
+    from .gpt2 import GPT2LMModel
+    from .inject import load_lora_adapter
+    from .llama import LlamaForCausalLM
+
+    family, cfg, states, tensors, qcfg = load_4bit_checkpoint(path, quantize, double_quant, compute_dtype, blocksize,
+                                                              explicit)
+    model = empty_model(LlamaForCausalLM if family == "llama" else GPT2LMModel, cfg)
+    to_4bit(model, states, qcfg)
+    del states
+    if family == "llama":
+        model.load_weights(tensors, partial=True)
+    else:
+        model.load_weights(tensors)
+    del tensors  # the maps: nothing of the file stays referenced
+    if adapter is not None:
+        load_lora_adapter(model, adapter)
+    return model
+
+
+def save_quantized(model, folder) -> None:
+    """Save a 4-bit model's base as a bitsandbytes checkpoint folder that transformers loads
+    (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``); LoRA is not part of
+    it (``save_lora_adapter``). See ``lora_core.quant.checkpoint4bit.save_4bit_checkpoint``."""
+    from lora_core.lora.naming import is_lora_name
+    from lora_core.quant.checkpoint4bit import save_4bit_checkpoint
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear4bit)}
+    if not layers:
+        raise ValueError("save_quantized: the model has no 4-bit layer (load it with quantize='nf4')")
+    states = {n + ".weight": _state_of(m) for n, m in layers.items()}
+    tensors = {n: v for n, v in model.state_numpy().items() if not is_lora_name(n)}
+    dtypes = {m.compute_dtype_name for m in layers.values()}
+    save_4bit_checkpoint(folder, model.config, tensors, states, dtypes.pop() if len(dtypes) == 1 else "float32")
+
+
+def _state_of(m: LoRALinear4bit) -> NF4State:
+    packed, absmax, tail = (v.numpy() for v in m._nf4)
+    st = NF4State(packed.reshape(-1, 1), absmax, m.shape, m.blocksize, m.quant_dtype)
+    if m.nested:
+        st.nested_absmax, st.offset, st.nested_blocksize = tail[:-1].copy(), np.float32(tail[-1]), m.nested_blocksize
+    return st
+
+
+__all__ = ["LoRALinear4bit", "dequantize", "empty_model", "from_pretrained_4bit", "save_quantized", "to_4bit"]

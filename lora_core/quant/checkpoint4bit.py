@@ -1,0 +1,131 @@
+"""A QLoRA base from a checkpoint folder, framework-free: either quantized while it loads
+(``quantize="nf4"`` on a full-precision checkpoint) or read as it is from a bitsandbytes 4-bit
+checkpoint (``config.json``'s ``quantization_config``; ``lora_core.formats.bnb4bit``), for the
+Llama family and GPT-2; and the tensors a 4-bit model saves in bitsandbytes' form.
+
+GPT-2: transformers' bitsandbytes integration (``replace_with_bnb_linear``) turns the four
+Conv1D layers of each block into ``Linear4bit`` and quantizes their weights transposed, (out,
+in), which is our canonical layout; the tied LM head stays ``wte``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..formats.bnb4bit import quantization_config, split_bnb4bit, write_bnb4bit_checkpoint
+from ..formats.checkpoint import check_tensors, load_gpt2_checkpoint
+from ..formats.hf_checkpoint import find_weights, read_hf_weights
+from ..formats.tensor_files import CheckpointError
+from ..models import gpt2 as _gpt2
+from ..models import llama as _llama
+from .nf4 import NF4State
+from .qlora import QuantConfig, quant_config, quantize_while_loading
+
+_GPT2_PREFIX = "transformer."
+
+
+def _prequantized_config(path, qc: dict, states: dict, quantize, double_quant, compute_dtype, blocksize,
+                         explicit: bool) -> QuantConfig:
+    """The ``QuantConfig`` a bitsandbytes checkpoint was saved with; options given to
+    ``from_pretrained`` that contradict it are refused (nothing is re-quantized)."""
+    sizes = {st.blocksize for st in states.values()} or {64}
+    nested = {st.nested for st in states.values()} or {bool(qc.get("bnb_4bit_use_double_quant"))}
+    if len(sizes) > 1 or len(nested) > 1:
+        raise CheckpointError(f"{path}: 4-bit weights with different block sizes {sorted(sizes)} or double "
+                              f"quantization {sorted(nested)}; one quantization_config covers them all")
+    saved = QuantConfig("nf4", sizes.pop(), nested.pop(), compute_dtype)
+    if quantize not in (None, "nf4") or (explicit and (blocksize, double_quant) != (saved.blocksize, saved.double_quant)):
+        raise ValueError(f"{path}: a pre-quantized bitsandbytes NF4 checkpoint (blocksize {saved.blocksize}, "
+                         f"double_quant {saved.double_quant}) is loaded as it is; quantize={quantize!r}, "
+                         f"blocksize={blocksize}, double_quant={double_quant} do not match it")
+    return saved
+
+
+def _llama_raw(wpath: Path, cfg_json: Path):
+    cfg = _llama.LlamaConfig.from_hf_json(cfg_json)
+    tensors = {k: v for k, v in read_hf_weights(wpath).items() if not _llama.is_non_parameter(k)}
+    states = split_bnb4bit(tensors, wpath)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return cfg, states, tensors, _llama.base_shapes(cfg)
+
+
+def _gpt2_raw(wpath: Path, cfg_json: Path):
+    cfg = _gpt2.GPT2Config.from_hf_json(str(cfg_json))
+    raw = read_hf_weights(wpath)
+    states = {k[len(_GPT2_PREFIX):] if k.startswith(_GPT2_PREFIX) else k: v
+              for k, v in split_bnb4bit(raw, wpath).items()}
+    tensors = {}
+    for k, v in raw.items():
+        name = k[len(_GPT2_PREFIX):] if k.startswith(_GPT2_PREFIX) else k
+        if name == "lm_head.weight" or _gpt2.is_non_parameter(name):
+            continue  # the tied head (transformers keeps it unquantized, = wte)
+        tensors[name] = v.T if name.endswith(_gpt2.TRANSPOSED) else v
+    return cfg, states, tensors, _gpt2.base_shapes(cfg)
+
+
+def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", double_quant: bool = True,
+                         compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True):
+    """``(family, cfg, states, tensors, qcfg)`` of a QLoRA base: ``states`` the NF4 weights by
+    canonical name, ``tensors`` the rest (memory maps where the format allows), ``family``
+    ``"llama"`` or ``"gpt2"``. A bitsandbytes 4-bit checkpoint is read as it is (``explicit``:
+    the quantization options were given and must match it); otherwise ``quantize="nf4"``
+    quantizes each weight while loading.
+
+    Raises:
+        ValueError: another quantization method or type (GPTQ, AWQ, fp4, 8-bit), a block size
+            bitsandbytes does not allow, another model family.
+        CheckpointError: a damaged quant state (names the tensor and the file), missing or
+            misshapen tensors.
+    """
+    from ..models.build import checkpoint_family
+
+    family = checkpoint_family(path)
+    if family not in ("llama", "gpt2"):
+        raise ValueError(f"{path}: a 4-bit base is implemented for the Llama family and GPT-2, not {family}")
+    qc = quantization_config(path)
+    if qc is None:
+        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
+        if qcfg is None:
+            raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
+        cfg, tensors = (_llama.load_llama_checkpoint(path) if family == "llama" else load_gpt2_checkpoint(path))
+        return family, cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
+    wpath = find_weights(path)
+    cfg_json = wpath.parent / "config.json"
+    cfg, states, tensors, shapes = (_llama_raw if family == "llama" else _gpt2_raw)(wpath, cfg_json)
+    qcfg = _prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    for name, st in states.items():
+        if name not in shapes or tuple(st.shape) != tuple(shapes[name]):
+            raise CheckpointError(f"{wpath}: {name}: a 4-bit weight of shape {list(st.shape)}, the model "
+                                  f"expects {list(shapes.get(name, ())) or 'no such weight'}")
+    check_tensors(wpath, tensors, {k: v for k, v in shapes.items() if k not in states})
+    return family, cfg, states, tensors, qcfg
+
+
+def gpt2_hf_config(cfg: _gpt2.GPT2Config) -> dict:
+    """A transformers ``config.json`` for GPT-2 ``cfg`` (tied head, gelu_new)."""
+    eos = min(50256, cfg.vocab_size - 1)
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.n_positions, "n_ctx": cfg.n_positions, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_epsilon,
+            "embd_pdrop": cfg.embd_pdrop, "attn_pdrop": cfg.attn_pdrop, "resid_pdrop": cfg.resid_pdrop,
+            "initializer_range": cfg.initializer_range, "tie_word_embeddings": True, "bos_token_id": eos,
+            "eos_token_id": eos}
+
+
+def save_4bit_checkpoint(folder: str | os.PathLike, cfg, tensors: dict[str, np.ndarray],
+                         states: dict[str, NF4State], compute_dtype: str = "float32") -> None:
+    """Write a 4-bit model (its canonical full-precision ``tensors`` and NF4 ``states``) as a
+    bitsandbytes checkpoint that transformers loads (``formats.bnb4bit.write_bnb4bit_checkpoint``)."""
+    if isinstance(cfg, _gpt2.GPT2Config):
+        hf = {_GPT2_PREFIX + n: (v.T if n.endswith(_gpt2.TRANSPOSED) else v) for n, v in tensors.items()}
+        write_bnb4bit_checkpoint(folder, gpt2_hf_config(cfg), hf,
+                                 {_GPT2_PREFIX + n: s for n, s in states.items()}, compute_dtype)
+    else:
+        write_bnb4bit_checkpoint(folder, cfg.to_hf_dict(), tensors, states, compute_dtype)
+
+
+__all__ = ["gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint"]

@@ -1,0 +1,250 @@
+"""bitsandbytes 4-bit checkpoints both ways (issue 23, items 3-4), against transformers +
+bitsandbytes + peft on CPU, with tiny random models saved in the test: a transformers NF4
+checkpoint (double quantization) loads into both backends without re-quantizing (the same
+dequantized weights, bit for bit, and the same logits); ours saves that form byte for byte and
+transformers loads it; a peft adapter trained on the transformers 4-bit model gives peft's
+logits on our 4-bit model; jittor vs torch over 20 QLoRA updates; GPT-2 (Conv1D layers
+quantized transposed, as transformers does), Mistral and Qwen2; bad checkpoints refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close, to_numpy
+
+import lora_core as lc
+from lora_core.data.batching import collate
+from lora_core.formats.tensor_files import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb_f = pytest.importorskip("bitsandbytes.functional")
+st = pytest.importorskip("safetensors.torch")
+
+V = 96
+# widths multiples of the block size (64): bitsandbytes 0.50.2's CPU dequantization kernel scales a
+# block that spans two rows by another block's absmax (tests/test_nf4.py, _rows_whole), and
+# transformers' forward uses it; the spec and our layers dequantize such blocks as stored.
+SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+KINDS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_bias=True)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=64)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)),
+}
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _bnb_config(quant_type="nf4"):
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+
+
+def _load_4bit(d):
+    """transformers' 4-bit model on the exact float32 path: without this, bitsandbytes 0.50.2's
+    Linear4bit in eval mode on a CPU with AVX512-BF16 repacks its weight for a bfloat16 gemv
+    kernel (``_convert_weight_packed_for_cpu``; 1.3e-3 x scale off float32 here)."""
+    import bitsandbytes as bnb
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, quantization_config=_bnb_config(), device_map="cpu")
+    for m in hf.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """kind -> (full-precision folder, transformers' 4-bit folder)."""
+    root = tmp_path_factory.mktemp("bnb")
+    out = {}
+    for i, (kind, make) in enumerate(KINDS.items()):
+        torch.manual_seed(i)
+        hf = make().eval()
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.1)
+        hf.save_pretrained(root / kind)
+        _load_4bit(root / kind).save_pretrained(root / f"{kind}-4bit")
+        out[kind] = (root / kind, root / f"{kind}-4bit")
+    return out
+
+
+def _ids(T=11):
+    return np.random.default_rng(0).integers(0, V, (2, T)).astype(np.int64)
+
+
+def _logits(bk, model, ids):
+    if bk.NAME == "torch":
+        with torch.no_grad():
+            return model(torch.from_numpy(ids))[0].numpy()
+    import jittor as jt
+
+    return model(jt.array(ids))[0].numpy()
+
+
+def _hf_dequantized(hf) -> dict[str, np.ndarray]:
+    """Every 4-bit weight of a transformers model, dequantized by bitsandbytes."""
+    import bitsandbytes as bnb
+
+    return {n: bnb_f.dequantize_4bit(m.weight.data, m.weight.quant_state).float().numpy()
+            for n, m in hf.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def _f32(x) -> np.ndarray:
+    return to_numpy(x).astype(np.float32)  # exact: to_numpy widens float32 to float64
+
+
+def _ours_layer(model, hf_name: str):
+    name = hf_name[len("transformer."):] if hf_name.startswith("transformer.") else hf_name
+    return dict(model.named_modules())[name]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_transformers_4bit_checkpoint_loads(backend, ckpts, kind):
+    """Weights equal bitsandbytes' dequantization bit for bit; logits those of transformers."""
+    _, d4 = ckpts[kind]
+    hf = _load_4bit(d4)
+    model = backend.from_pretrained(d4)
+    deq = _hf_dequantized(hf)
+    assert len(deq) == 2 * (7 if kind != "gpt2" else 4)
+    for n, w in deq.items():
+        layer = _ours_layer(model, n)
+        assert type(layer).__name__ == "LoRALinear4bit", n
+        assert np.array_equal(_f32(layer.weight).view(np.uint32), w.view(np.uint32)), n
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits.numpy()
+    assert_close(f"bnb 4-bit checkpoint: logits vs transformers+bitsandbytes ({kind})", _logits(backend, model, ids),
+                 ref, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_ours_saves_what_transformers_saves(backend, ckpts, kind, tmp_path):
+    """Loaded and saved again: the same tensors (bytes) and quantization_config; transformers
+    loads ours to the same dequantized weights; quantize='nf4' gives bitsandbytes' codes."""
+    d, d4 = ckpts[kind]
+    backend.save_quantized(backend.from_pretrained(d4), tmp_path / "ours")
+    ref, ours = st.load_file(str(d4 / "model.safetensors")), st.load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert set(ours) == set(ref) - ({"lm_head.weight"} if kind == "gpt2" else set())
+    assert [k for k in ours if not torch.equal(ours[k], ref[k])] == []
+    qc = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((d4 / "config.json").read_text())["quantization_config"]
+    hf_ours, hf_ref = _load_4bit(tmp_path / "ours"), _load_4bit(d4)
+    a, b = _hf_dequantized(hf_ours), _hf_dequantized(hf_ref)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(hf_ours(torch.from_numpy(ids)).logits, hf_ref(torch.from_numpy(ids)).logits)
+    # quantized while loading from the full-precision checkpoint: bitsandbytes' packed codes
+    q = backend.from_pretrained(d, quantize="nf4")
+    backend.save_quantized(q, tmp_path / "q")
+    mine = st.load_file(str(tmp_path / "q" / "model.safetensors"))
+    packed = [k for k in ref if ref[k].dtype == torch.uint8 and k.endswith(".weight")]
+    assert packed and all(torch.equal(mine[k], ref[k]) for k in packed)
+
+
+def _peft_adapter(kind, d4, out):
+    hf = _load_4bit(d4)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    pm.save_pretrained(out)
+    pm.eval()
+    with torch.no_grad():
+        return pm(torch.from_numpy(_ids())).logits.numpy()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_peft_qlora_adapter_gives_peft_logits(backend, ckpts, kind, tmp_path):
+    _, d4 = ckpts[kind]
+    ref = _peft_adapter(kind, d4, tmp_path / "adapter")
+    model = backend.from_pretrained(d4, adapter=tmp_path / "adapter")
+    assert_close(f"QLoRA logits vs transformers+bitsandbytes+peft ({kind})", _logits(backend, model, _ids()), ref, 1e-5)
+
+
+def _batch(seed):
+    ids = np.random.default_rng(seed).integers(0, V, (2, 12))
+    return collate([(list(r[:1]), list(r[1:])) for r in ids])
+
+
+def _curve(bk, d4, steps=20):
+    from lora_core.train.optim import AdamWConfig
+
+    model = bk.from_pretrained(d4)
+    bk.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=16.0, target_modules=("q_proj", "v_proj", "down_proj"), seed=2))
+    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig(weight_decay=0.01))
+    losses = [bk.train_step(model, opt, [_batch(s % 4)], 2e-3, max_grad_norm=1.0)["loss"] for s in range(steps)]
+    return np.array(losses), {n: to_numpy(p) for n, p in bk.trainable_parameters(model).items()}
+
+
+def test_jittor_matches_torch_over_20_qlora_updates(ckpts):
+    d4 = ckpts["llama"][1]
+    (lt, wt), (lj, wj) = _curve(lc.get_backend("torch"), d4), _curve(lc.get_backend("jittor"), d4)
+    assert lt[-1] < lt[0]
+    assert_close("QLoRA jittor vs torch: 20-update loss curve", lj, lt, 1e-5)
+    for n in wt:
+        assert_close("QLoRA jittor vs torch: LoRA weights after 20 updates", wj[n], wt[n], 1e-5)
+
+
+def _rewrite(src, dst, edit_tensors=None, edit_config=None):
+    dst.mkdir()
+    t = st.load_file(str(src / "model.safetensors"))
+    if edit_tensors:
+        edit_tensors(t)
+    st.save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+QS = "model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"
+
+
+def _set_qs(**kw):
+    def edit(t):
+        d = json.loads(bytes(t[QS].numpy()).decode())
+        d.update(kw)
+        t[QS] = torch.tensor(list(json.dumps(d).encode()), dtype=torch.uint8)
+    return edit
+
+
+BAD = {
+    "fp4": (None, lambda c: c["quantization_config"].update(bnb_4bit_quant_type="fp4"),
+            ValueError, "bnb_4bit_quant_type 'fp4' is not supported; supported: bitsandbytes 4-bit NF4"),
+    "gptq": (None, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
+             ValueError, "quant_method 'gptq' is not supported"),
+    "awq": (None, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}),
+            ValueError, "quant_method 'awq' is not supported"),
+    "blocksize": (_set_qs(blocksize=100), None, ValueError, "blocksize 100 is not a 4-bit block size bitsandbytes allows"),
+    "absmax-cut": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight.absmax":
+                                       t["model.layers.0.mlp.up_proj.weight.absmax"][:-1].clone()}), None,
+                   CheckpointError, "model.layers.0.mlp.up_proj.weight.absmax: damaged 4-bit quant state"),
+    "state-json": (lambda t: t.update({QS: t[QS][:-3].clone()}), None, CheckpointError,
+                   f"{QS}: damaged 4-bit quant state"),
+    "no-quant-map": (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight.quant_map"), None, CheckpointError,
+                     "model.layers.1.self_attn.k_proj.weight: damaged 4-bit quant state .missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoints_refused_by_name(ckpts, tmp_path, case):
+    edit_t, edit_c, err, msg = BAD[case]
+    d = _rewrite(ckpts["llama"][1], tmp_path / case, edit_t, edit_c)
+    for name in ("torch", "jittor"):
+        with pytest.raises(err, match=msg) as e:
+            lc.get_backend(name).from_pretrained(d)
+        if err is CheckpointError:
+            assert str(d / "model.safetensors") in str(e.value)
+        print(f"{case}: {e.value}")
