@@ -65,7 +65,8 @@ from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_we
 
 from ..bench_worker import environment, environment_line, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
-from .bench_systems import ALPHA, SEED, TARGETS, R, lora_arrays, make_system, token_rows
+from .bench_systems import ALPHA, METHODS, SEED, TARGETS, R, lora_arrays, make_system, token_rows
+from .methods_table import PARTS, method_flops, plot, rows, table_lines
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 PROMPT_LEN, DECODE_B_STD = 32, 0.02
@@ -93,6 +94,13 @@ class MemorySampler:
         while not self._stop.wait(interval):
             self.sample()
 
+    @staticmethod
+    def now() -> dict[str, float]:
+        """Private (``Private_Clean + Private_Dirty``) and anonymous MB at this moment."""
+        kb = _proc_kb("/proc/self/smaps_rollup")
+        return {"private_mb": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) / 1024,
+                "anon_mb": kb.get("Anonymous", 0) / 1024}  # fmt: skip
+
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
@@ -119,7 +127,9 @@ def _proc_kb(path: str) -> dict[str, int]:
 def run_train(spec: dict, mem: MemorySampler) -> dict:
     cfg, n = _shape(spec), spec["steps"] + 1
     rows = token_rows(cfg.vocab_size, (n, spec["batch"], spec["block"] + 1), SEED + 1)
-    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True)
+    baseline = mem.now()  # the framework imported, no model yet
+    method = spec.get("method", "lora")
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method)
     batches = [system.prepare(r) for r in rows]
     times, losses = [], []
     for i, batch in enumerate(batches):
@@ -128,8 +138,12 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
         times.append(time.perf_counter() - t0)
         log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i == 0 else 'timed'}): {times[-1]:.3f} s")
     step_s = statistics.median(times[1:])
+    parts = {k: v / 2**20 for k, v in system.memory_parts().items()}
+    peaks = mem.stop()
+    parts["activations"] = peaks["peak_private_mb"] - baseline["private_mb"] - sum(parts.values())
     return {"train_tok_s": spec["batch"] * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
-            "loss": losses, **{"train_" + k: v for k, v in mem.stop().items()},
+            "loss": losses, **{"train_" + k: v for k, v in peaks.items()}, "method": method,
+            "baseline_private_mb": baseline["private_mb"], "parts_mb": parts,
             "attn_implementation": getattr(system, "attn_implementation", None)}  # fmt: skip
 
 
@@ -249,20 +263,27 @@ def _timed(fn) -> float:
 
 def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
     """Every (repeat, system, task) in its own process; the system order rotates per repeat."""
-    raw = {s: [] for s in args.systems}
+    raw = {row_key(s, m): [] for s in args.systems for m in args.methods}
     for rep in range(args.repeats):
         order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
         for system in order:
-            result = {}
-            for task in ("train", "decode"):
-                spec = {"task": task, "system": system, "shape": args.shape, "layers": args.layers,
-                        "batch": args.batch, "block": args.block, "steps": args.steps,
-                        "new_tokens": args.new_tokens, "threads": args.threads, **files}  # fmt: skip
-                log(f"repeat {rep + 1}/{args.repeats} {system} {task}")
-                out = spawn("examples.lm.bench", spec, args.threads)
-                result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
-            raw[system].append(result)
+            for method in args.methods:
+                result = {}
+                for task in ("train", "decode") if method == "lora" else ("train",):
+                    spec = {"task": task, "system": system, "method": method, "shape": args.shape,
+                            "layers": args.layers, "batch": args.batch, "block": args.block, "steps": args.steps,
+                            "new_tokens": args.new_tokens, "threads": args.threads, **files}  # fmt: skip
+                    log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
+                    out = spawn("examples.lm.bench", spec, args.threads)
+                    result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
+                raw[row_key(system, method)].append(result)
     return raw
+
+
+def row_key(system: str, method: str) -> str:
+    """A row of the raw results: the system's name for LoRA (the decoding rows too), else
+    ``"system method"``."""
+    return system if method == "lora" else f"{system} {method}"
 
 
 # ----------------------------------------------------------------------------- table
@@ -295,8 +316,12 @@ def same_tokens(raw: dict) -> dict[str, bool | None]:
 
 def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict | None = None) -> tuple[str, dict]:
     cfg = _shape(vars(args))
-    med = {s: medians(runs) for s, runs in raw.items()}
-    same = same_tokens(raw)
+    all_med = {s: medians(runs) for s, runs in raw.items()}
+    for s, m in all_med.items():
+        m["parts_mb"] = {k: statistics.median(r["parts_mb"][k] for r in raw[s] if "parts_mb" in r)
+                         for k in PARTS} if any("parts_mb" in r for r in raw[s]) else {}  # fmt: skip
+    med = {s: m for s, m in all_med.items() if " " not in s}  # the LoRA rows (decoding too)
+    same = same_tokens({s: raw[s] for s in med})
     for s, m in med.items():
         tok_s = m["train_tok_s"]
         m["decode_floor_fraction"] = (floor["floor_s"] / m["decode_s"]) if floor and m.get("decode_s") else None
@@ -339,7 +364,12 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
         ratios[f"{a} / {b}"] = row
         lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
-    return "\n".join(lines), {"medians": med, "ratios": ratios, "same_tokens": same}
+    methods = rows(all_med, flops, peak["peak_gflops"])
+    if len(args.methods) > 1 or args.methods != ["lora"]:
+        lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
+                  f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
+                  f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt)]  # fmt: skip
+    return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
 
 
 # ----------------------------------------------------------------------------- main
@@ -359,10 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--threads", type=int, default=1, help="torch and OpenMP threads of every system and the GEMM peak")
     p.add_argument("--repeats", type=int, default=1, help="runs per system (medians reported)")
+    p.add_argument("--methods", default="lora",
+                   help=f"comma-separated fine-tuning methods of {','.join(METHODS)} (decoding runs with lora)")
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of the methods table here")
     args = p.parse_args(argv)
     try:
         args.systems = _names(args.systems, SYSTEMS, "--systems")
+        args.methods = _names(args.methods, METHODS, "--methods")
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
     if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1) < 1:
@@ -378,11 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_all(args, write_inputs(cfg, Path(d)))
     table, summary = summarise(raw, args, flops, peak, env, floor)
     print(table)
+    if args.plot:
+        plot(summary["methods"], args.plot, f"{args.shape}, batch {args.batch} x {args.block}, {args.threads} thread(s), "
+             f"code {version}")
     print(
         f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.lm.bench {' '.join(argv)})"
     )
     if args.json:
-        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("json", "plot")}
         settings["code"] = version
         out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip

@@ -1,6 +1,14 @@
 """The systems of ``examples.lm.bench``: our backends and transformers + peft behind the same
-calls (``train_step(rows)``, ``greedy(prompts, n)``), each loading the bench's checkpoint
-folder and LoRA file, so that all start from the same weights (see the bench's docstring)."""
+calls (``train_step(rows)``, ``greedy(prompts, n)``, ``memory_parts()``), each loading the
+bench's checkpoint folder and LoRA file, so that all start from the same weights (see the
+bench's docstring), for one fine-tuning method of ``METHODS``:
+
+- ``full``: every weight trains (no LoRA); ``lora``: LoRA r 8, alpha 16 on q, k, v, o, the base
+  frozen; ``qlora``: the same LoRA on a 4-bit NF4 base (double quantization; ours:
+  ``from_pretrained(quantize="nf4")``, transformers: ``BitsAndBytesConfig`` +
+  ``prepare_model_for_kbit_training``);
+- ``-gc``: with activation checkpointing (ours: ``set_grad_checkpoint``; transformers:
+  ``gradient_checkpointing_enable``, non-reentrant, as the studies run it)."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+METHODS = ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
 R, ALPHA, LR, SEED = 8, 16.0, 2e-4, 0
 
 
@@ -38,18 +47,27 @@ class Ours:
     """``backends.torch`` / ``backends.jittor``: ``from_pretrained``, ``inject_lora``, ``train_step``,
     greedy ``beam_search`` (beam 1, KV cache, unmerged LoRA)."""
 
-    def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool):
+    def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
         from safetensors.numpy import load_file
 
         import lora_core
         from lora_core.train.optim import AdamWConfig
 
         self.bk = bk = lora_core.get_backend(name)
-        self.model = bk.from_pretrained(ckpt)
-        bk.inject_lora(self.model, lora_target_config())
-        self.model.load_partial(load_file(lora_file))
+        self.model = bk.from_pretrained(ckpt, quantize="nf4") if method.startswith("qlora") else bk.from_pretrained(ckpt)
+        if not method.startswith("full"):
+            bk.inject_lora(self.model, lora_target_config())
+            self.model.load_partial(load_file(lora_file))
+        bk.set_grad_checkpoint(self.model, method.endswith("-gc"))
         if trainable:
             self.opt = bk.AdamW(bk.trainable_parameters(self.model), AdamWConfig())
+
+    def memory_parts(self) -> dict[str, float]:
+        """Bytes of the weights (every parameter and buffer, as stored: 4-bit codes and their
+        scales for a QLoRA base), of the gradients and of AdamW's two fp32 moments (one per
+        trainable weight each, in both backends' AdamW)."""
+        trainable = sum(_numel(p) for p in self.bk.trainable_parameters(self.model).values())
+        return {"weights": _stored_bytes(self.model), "gradients": 4.0 * trainable, "optimizer": 8.0 * trainable}
 
     def prepare(self, rows: np.ndarray):
         from lora_core.data.batching import collate
@@ -71,7 +89,7 @@ class HFPeft:
     """``AutoModelForCausalLM.from_pretrained`` (float32, default attention) + ``peft`` LoRA with
     ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``."""
 
-    def __init__(self, ckpt: Path, lora_file: Path, trainable: bool):
+    def __init__(self, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
         import warnings
 
         import peft
@@ -84,12 +102,43 @@ class HFPeft:
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch
-        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        gc = method.endswith("-gc")
+        kw = {}
+        if method.startswith("qlora"):
+            kw = {"quantization_config": transformers.BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.float32), "device_map": "cpu"}
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, **kw)
         self.attn_implementation = model.config._attn_implementation
         model.generation_config.eos_token_id = None  # run every new token, as ours with stop_ids=()
-        lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(TARGETS))
-        self.model = peft.get_peft_model(model, lcfg)
-        values = load_file(lora_file)
+        gc_kwargs = {"use_reentrant": False}
+        if method.startswith("qlora"):
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
+                                                         gradient_checkpointing_kwargs=gc_kwargs)
+        elif gc:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        if method.startswith("full"):
+            self.model = model
+        else:
+            lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(TARGETS))
+            self.model = peft.get_peft_model(model, lcfg)
+            self._load_lora(load_file(lora_file))
+        if trainable:
+            c = AdamWConfig()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(params, lr=LR, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+    def memory_parts(self) -> dict[str, float]:
+        """Bytes of every parameter and buffer as stored (bitsandbytes' packed codes and quant
+        state for a 4-bit base), of the trainable parameters' gradients, and of the tensors in
+        ``torch.optim.AdamW``'s state (measured after the steps)."""
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        state = sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+                    if isinstance(t, self.torch.Tensor) and t.dim() > 0)  # fmt: skip
+        return {"weights": _stored_bytes(self.model), "gradients": float(trainable), "optimizer": float(state)}
+
+    def _load_lora(self, values: dict) -> None:
+        torch = self.torch
         with torch.no_grad():
             lora = {n: p for n, p in self.model.named_parameters() if "lora_" in n}
             names = {n.replace("base_model.model.", "", 1).replace(".default.weight", ""): n for n in lora}
@@ -97,10 +146,6 @@ class HFPeft:
                 raise RuntimeError(f"peft LoRA names differ from ours: {sorted(set(names) ^ set(values))[:4]}")
             for ours, theirs in names.items():
                 lora[theirs].copy_(torch.from_numpy(values[ours]))
-        if trainable:
-            c = AdamWConfig()
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self.opt = torch.optim.AdamW(params, lr=LR, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
 
     def prepare(self, rows: np.ndarray):
         return self.torch.from_numpy(rows[:, :-1].copy()), self.torch.from_numpy(rows[:, 1:].copy())
@@ -127,8 +172,33 @@ class HFPeft:
         return seq[:, ids.shape[1] :].tolist()
 
 
-def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool):
-    """``ours-torch``, ``ours-jittor`` or ``hf-peft``."""
+def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
+    """``ours-torch``, ``ours-jittor`` or ``hf-peft``, set up for ``method`` (``METHODS``)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if name == "hf-peft":
-        return HFPeft(ckpt, lora_file, trainable)
-    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable)
+        return HFPeft(ckpt, lora_file, trainable, method)
+    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method)
+
+
+def _numel(v) -> int:
+    n = v.numel()
+    return int(n() if callable(n) else n)
+
+
+def _stored_bytes(model) -> float:
+    """Bytes of every distinct parameter and buffer of a torch or jittor module."""
+    seen, total = set(), 0
+    tensors = list(model.named_parameters())
+    named_buffers = getattr(model, "named_buffers", None)
+    if callable(named_buffers):
+        tensors += list(named_buffers())
+    for _, t in tensors:
+        if hasattr(t, "data_ptr"):  # torch: tied weights counted once
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        else:  # jittor
+            total += _numel(t) * np.dtype(str(t.dtype)).itemsize
+    return float(total)

@@ -1,0 +1,102 @@
+"""The methods table of ``examples.lm.bench --methods``: per fine-tuning method and system the
+tokens/s, the time per 100 updates, the share of the GEMM peak by the method's FLOP count, the
+peak memory (RSS, private, anonymous), its reduction against full fine-tuning on the same system,
+and the peak split into weights, gradients, optimizer state and activations; and a PNG of it.
+
+FLOPs per trained token, counted as the studies do (M: the forward products of every
+projection and the LM head, A: attention's QK^T and AV, L: the LoRA products):
+
+    full fine-tuning   3 M + 3 A          (forward, input gradients, weight gradients)
+    LoRA, QLoRA        2 M + 3 A + 3 L    (frozen weights: no weight gradient)
+
+Activation checkpointing adds a forward pass per layer that this count leaves out (it is
+overhead, not useful work); QLoRA's dequantization is not counted either.
+
+The split of the peak (``parts``, MB): ``weights``, ``gradients`` and ``optimizer`` are the bytes
+of the tensors that hold them (every parameter and buffer as stored, the trainable parameters'
+gradients, AdamW's moments), measured in the worker after the timed steps; ``activations``
+is the rest of the growth: peak private memory minus the private memory before the model was
+built minus those three (activations, temporaries of the backward pass, and what the
+allocator keeps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PARTS = ("weights", "gradients", "optimizer", "activations")
+
+
+def method_flops(flops: dict, method: str) -> float:
+    """FLOPs per trained token of ``method`` (module docstring); ``flops`` as the bench's
+    ``train_flops_per_token``."""
+    if method.startswith("full"):
+        return 3 * flops["matmul"] + 3 * flops["attention"]
+    return flops["train_step"]
+
+
+def split_key(key: str) -> tuple[str, str]:
+    system, _, method = key.partition(" ")
+    return system, method or "lora"
+
+
+def rows(med: dict, flops: dict, peak_gflops: float) -> list[dict]:
+    """One dict per (method, system) with the table's figures, in method order."""
+    from .bench_systems import METHODS
+
+    out = []
+    for key, m in med.items():
+        system, method = split_key(key)
+        tok_s = m.get("train_tok_s")
+        gflops = None if tok_s is None else method_flops(flops, method) * tok_s / 1e9
+        full = med.get(f"{system} full")
+        base = full.get("train_peak_private_mb") if full else None
+        private = m.get("train_peak_private_mb")
+        out.append({"method": method, "system": system, "tok_s": tok_s, "gflops": gflops,
+                    "peak_fraction": None if gflops is None else gflops / peak_gflops,
+                    "s_per_100": None if not tok_s else 100 * m["median_step_s"],
+                    "rss_mb": m.get("train_peak_rss_mb"), "private_mb": private, "anon_mb": m.get("train_peak_anon_mb"),
+                    "vs_full": None if not (base and private) else private / base,
+                    "parts_mb": m.get("parts_mb") or {}})  # fmt: skip
+    return sorted(out, key=lambda r: (METHODS.index(r["method"]), r["system"]))
+
+
+def table_lines(rows_: list[dict], fmt) -> list[str]:
+    head = (f"{'method':9s} {'system':12s} {'tok/s':>7s} {'s/100 upd':>9s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
+            f"{'anon MB':>7s} {'vs full':>7s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'act+etc':>7s}")
+    lines = [head]
+    for r in rows_:
+        frac = None if r["peak_fraction"] is None else 100 * r["peak_fraction"]
+        lines.append(f"{r['method']:9s} {r['system']:12s} {fmt(r['tok_s'], '.1f'):>7s} {fmt(r['s_per_100'], '.1f'):>9s} "
+                     f"{fmt(frac, '.1f'):>6s} {fmt(r['rss_mb'], '.0f'):>7s} {fmt(r['private_mb'], '.0f'):>7s} "
+                     f"{fmt(r['anon_mb'], '.0f'):>7s} {fmt(r['vs_full'], '.2f'):>7s} "
+                     + " ".join(f"{fmt(r['parts_mb'].get(p), '.0f'):>7s}" for p in PARTS))  # fmt: skip
+    return lines
+
+
+def plot(rows_: list[dict], path: Path, title: str) -> None:
+    """Two panels: tokens/s per (method, system), and the peak private memory split into its parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['method']}\n{r['system'].replace('ours-', '')}" for r in rows_]
+    x = range(len(rows_))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(rows_) + 2), 7), sharex=True)
+    a.bar(x, [r["tok_s"] or 0 for r in rows_], color="#4c72b0")
+    a.set_ylabel("tokens / s")
+    a.set_title(title, fontsize=9)
+    bottom = [0.0] * len(rows_)
+    colors = {"weights": "#8c8c8c", "gradients": "#dd8452", "optimizer": "#c44e52", "activations": "#55a868"}
+    for part in PARTS:
+        vals = [max(r["parts_mb"].get(part) or 0.0, 0.0) for r in rows_]
+        b.bar(x, vals, bottom=bottom, label=part if part != "activations" else "activations and the rest",
+              color=colors[part])
+        bottom = [u + v for u, v in zip(bottom, vals)]
+    b.set_ylabel("peak private memory above the baseline, MB")
+    b.legend(fontsize=8)
+    b.set_xticks(list(x), labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
