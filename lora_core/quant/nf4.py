@@ -17,8 +17,8 @@ Rounding rules (they decide the bytes):
     4-bit: ``x * (1 / max(absmax, 1e-38))`` (a division for the last, partial block, whose
     stored absmax is the clamped one), clipped to [-1, 1], then the code whose midpoint
     interval holds it; a value on a midpoint takes the lower code.
-    8-bit scales: ``(absmax - offset) / nested_absmax`` (a true division, the partial block
-    included), placed by bitsandbytes' bisection (``_dynamic_search``: not always the nearest).
+    8-bit scales: ``(absmax - offset) * (1 / nested_absmax)``, placed by bitsandbytes' CPU
+    lookup table (``_lut_search``: not always the nearest code near a midpoint).
     offset: torch's float32 CPU ``mean`` (its cascade sum: 4 x ``lanes`` partial sums,
     then ``/ n``), which ``_torch_sum`` reproduces.
 """
@@ -208,16 +208,36 @@ def unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
 
 def quantize_blockwise(x: np.ndarray, code: np.ndarray, blocksize: int = NESTED_BLOCKSIZE):
     """bitsandbytes' 8-bit blockwise quantization on CPU: ``(codes uint8, absmax float32)``;
-    each value divided by its block's absmax is placed by ``_dynamic_search``."""
+    each value times its block's 1 / absmax is placed by ``_lut_search``."""
     x = np.asarray(x, np.float32).reshape(-1)
     n = x.size
     nb = -(-n // blocksize)
     pad = np.zeros(nb * blocksize, np.float32)
     pad[:n] = x
     absmax = np.abs(pad.reshape(nb, blocksize)).max(axis=1).astype(np.float32)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        normed = (x / np.repeat(absmax, blocksize)[:n]).astype(np.float32)
-    return _dynamic_search(normed, code), absmax
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        inv = (np.float32(1) / absmax).astype(np.float32)
+        normed = np.clip((x * np.repeat(inv, blocksize)[:n]).astype(np.float32), -1, 1)
+    out = _lut_search(normed, code)
+    bad = ~np.isfinite(normed)  # 0/0 in an all-zero block
+    out[bad] = _dynamic_search(normed[bad], code)
+    return out, absmax
+
+
+def _lut_search(v: np.ndarray, code: np.ndarray) -> np.ndarray:
+    """bitsandbytes 0.50.2's CPU 8-bit search (``quantize_cpu`` in libbitsandbytes_cpu, read off
+    its machine code): ``v = x * (1 / absmax)`` clamped to [-1, 1], then a 65536-entry table
+    indexed by ``trunc(fma((1 + v) * 0.5, 65535, 0.5))`` (the fused result rounded to float32),
+    entry ``k`` holding the number of the map's midpoints ``(c[i] + c[i+1]) * 0.5`` below
+    ``2k / 65535 - 1`` (each step in float32). Values within half a table step (1.5e-5) of a
+    midpoint can land on the farther code: that is what it stores, so the spec does too."""
+    f32 = np.float32
+    mids = ((code[:-1] + code[1:]) * f32(0.5)).astype(f32)
+    k = np.arange(65536).astype(f32)
+    table = np.searchsorted(mids, ((k + k) / f32(65535)).astype(f32) - f32(1), side="left").astype(np.uint8)
+    t = ((f32(1) + np.nan_to_num(v)) * f32(0.5)).astype(f32)
+    idx = np.floor((t.astype(np.float64) * 65535.0 + 0.5).astype(f32)).astype(np.int64)  # exact product, one rounding
+    return table[idx]
 
 
 def _dynamic_search(x: np.ndarray, code: np.ndarray) -> np.ndarray:
