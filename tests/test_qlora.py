@@ -126,3 +126,21 @@ def test_refusals(ckpt):
         bk.from_pretrained(d, quantize="nf4", blocksize=100)
     with pytest.raises(ValueError, match="quantize='nf4' only"):
         bk.from_pretrained(d, double_quant=False)
+
+
+def test_torch_layer_uses_bitsandbytes_kernel_bit_identically():
+    """Where rows are whole blocks, torch's 4-bit layer dequantizes with bitsandbytes' CPU kernel:
+    the same bits as the pure-torch steps (and the numpy spec)."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from backends.torch import quant as tq
+    from lora_core.quant.nf4 import dequantize_nf4, quantize_nf4
+
+    w = np.random.default_rng(3).normal(0, 0.05, (192, 128)).astype(np.float32)
+    state = quantize_nf4(w, 64, True)
+    layer = tq.LoRALinear4bit(state)
+    fast = tq._bnb_dequantize(layer)
+    assert fast is not None
+    ref = tq.dequantize(layer.packed, layer.absmax, layer.nested_absmax, layer.offset, layer.shape, 64, 256)
+    assert torch.equal(fast, ref) and np.array_equal(fast.numpy(), dequantize_nf4(state))

@@ -31,6 +31,34 @@ def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blo
     return (_NF4.to(packed.device)[codes] * scale.repeat_interleave(blocksize)[:n]).view(shape)
 
 
+_BNB = []  # bitsandbytes.functional once imported, or None where it is not installed
+
+
+def _bnb_dequantize(layer) -> torch.Tensor | None:
+    """The layer's float32 weight by bitsandbytes' own ``dequantize_4bit`` (its C++ kernel on the
+    CPU: bit-identical to ``dequantize`` here, measured 23x faster for a 2816 x 1024 weight), or
+    None without bitsandbytes or where a block spans two rows (rows not a multiple of the block)."""
+    if not _BNB:
+        try:
+            import bitsandbytes.functional as bnb_f
+        except ImportError:  # the quant extra is not installed: ``dequantize`` does it
+            bnb_f = None
+        _BNB.append(bnb_f)
+    bnb_f = _BNB[0]
+    if bnb_f is None or layer.shape[-1] % layer.blocksize:
+        # 0.50.2's CPU kernel scales a block that spans two rows by another block's absmax
+        return None
+    dev = layer.packed.device
+    nested = None
+    if layer.nested_absmax is not None:
+        nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_DYN.to(dev), blocksize=layer.nested_blocksize,
+                                  dtype=torch.float32)
+    qs = bnb_f.QuantState(absmax=layer.absmax, shape=torch.Size(layer.shape), code=_NF4.to(dev),
+                          blocksize=layer.blocksize, quant_type="nf4", dtype=torch.float32, offset=layer.offset,
+                          state2=nested)
+    return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs)
+
+
 class _Matmul4bit(torch.autograd.Function):
     """``x W^T`` with W dequantized here and again for the input gradient (W is frozen)."""
 
@@ -68,8 +96,10 @@ class LoRALinear4bit(LoRALinear):
         return self.dequantized(torch.float32)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
-        w = dequantize(self.packed, self.absmax, self.nested_absmax, self.offset, self.shape, self.blocksize,
-                       self.nested_blocksize)
+        w = _bnb_dequantize(self)
+        if w is None:
+            w = dequantize(self.packed, self.absmax, self.nested_absmax, self.offset, self.shape, self.blocksize,
+                           self.nested_blocksize)
         return w.to(self.compute_dtype).to(dtype)
 
     def add_lora(self, r: int, scaling: float, dropout: float, values) -> None:
