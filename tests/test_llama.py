@@ -354,3 +354,23 @@ def test_lora_on_embeddings_head_rslora_and_patterns_loads_from_peft(backend, ch
         ref = pm(torch.from_numpy(ids)).logits
     ours = backend.from_pretrained(d, adapter=tmp_path / "peft")
     assert_close("llama peft adapter (embeddings, head, rsLoRA, patterns) -> ours", to_numpy(ours(ids)[0]), ref, 1e-5)
+
+
+def test_compiled_training_step_matches_eager(checkpoints):
+    """torch ``set_compile`` on a Llama (aot_eager: the captured forward and backward, fast to
+    compile): the same losses and LoRA weights as the eager step over 3 updates."""
+    from lora_core.train.optim import AdamWConfig
+
+    bt = lc.get_backend("torch")
+    runs = []
+    for compiled in (False, True):
+        model = bt.from_pretrained(checkpoints["qwen2"][1])
+        bt.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=8.0, target_modules=PROJ, seed=1))
+        if compiled:
+            bt.set_compile(model, True, "aot_eager")
+        opt = bt.AdamW(bt.trainable_parameters(model), AdamWConfig())
+        losses = [bt.train_step(model, opt, [_lm_batch(s)], 1e-3)["loss"] for s in range(3)]
+        runs.append((np.array(losses), {n: to_numpy(p) for n, p in bt.trainable_parameters(model).items()}))
+    assert_close("llama compiled vs eager step: losses", runs[1][0], runs[0][0], 1e-6)
+    for n in runs[0][1]:
+        assert_close("llama compiled vs eager step: LoRA weights", runs[1][1][n], runs[0][1][n], 1e-5)

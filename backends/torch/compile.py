@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 from lora_core.train.buckets import bucket_shape, pad_to_bucket
+from lora_core.train.tasks import max_positions
 
 from .lora import LoRALinear
 from .precision import autocast
@@ -82,7 +83,7 @@ class CompiledLoss:
 
     def __call__(self, model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
         global _buckets_met
-        shape = bucket_shape(batch, model.config.n_positions, self.length_multiple)
+        shape = bucket_shape(batch, max_positions(model), self.length_multiple)
         if shape not in self.buckets:
             self.buckets.add(shape)
             _buckets_met += 1

@@ -182,10 +182,12 @@ class LlamaForCausalLM(nn.Module):
         self.grad_checkpoint = False  # set_grad_checkpoint: recompute each layer in the backward pass
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables, grown on demand
 
-    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (pos.shape + (D,)) at the positions ``pos``: one table lookup per step (the
-        table comes from the spec's ``rope_tables`` and grows when a longer sequence needs it)."""
-        need = int(pos.max()) + 1 if pos.numel() else 1
+    def rope(self, pos: torch.Tensor, need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (pos.shape + (D,)) at the positions ``pos``, all below ``need`` (default: read
+        off ``pos``): one table lookup per step (the table comes from the spec's ``rope_tables``
+        and grows when a longer sequence needs it; ``need`` keeps its size static under compile)."""
+        if need is None:
+            need = int(pos.max()) + 1 if pos.numel() else 1
         dev = self.model.embed_tokens.weight.device
         if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != dev:
             n = min(max(need, 256, 0 if self._rope is None else 2 * self._rope[0].shape[0]),
@@ -210,10 +212,11 @@ class LlamaForCausalLM(nn.Module):
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
         check_length(self.config, t_past + T)
         mask = None if attention_mask is None else _np(attention_mask)
+        need = None if position_ids is not None else t_past + T  # positions given: read their range
         if position_ids is None:
             position_ids = positions(mask, B, T, t_past)
         bias = None if mask is None and t_past == 0 else torch.from_numpy(attention_bias(mask, T, t_past)).to(dev)
-        rope = self.rope(_tensor(position_ids).to(dev))
+        rope = self.rope(_tensor(position_ids).to(dev), need)
         x = self.model.embed_tokens(ids)
         present = []
         for i, layer in enumerate(self.model.layers):
@@ -233,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         B, T = ids.shape
         check_length(self.config, T)
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
-        rope = self.rope(tok % T)
+        rope = self.rope(tok % T, T)
         dense = tok.numel() == B * T  # no padding: the tokens are the (B, T) layout, row-major
         x = self.model.embed_tokens(ids.reshape(-1) if dense else ids.reshape(-1).index_select(0, tok))
         unpad = (None, None, B, T) if dense else (tok, pad, B, T)
