@@ -125,19 +125,23 @@ def _proc_kb(path: str) -> dict[str, int]:
 
 
 def run_train(spec: dict, mem: MemorySampler) -> dict:
-    cfg, n = _shape(spec), spec["steps"] + 1
+    compile_ = spec.get("compile") if spec["system"] == "ours-torch" else None
+    warm = 2 if compile_ else 1  # a compiled step compiles again on its second call (the RoPE table appears)
+    cfg, n = _shape(spec), spec["steps"] + warm
     rows = token_rows(cfg.vocab_size, (n, spec["batch"], spec["block"] + 1), SEED + 1)
     baseline = mem.now()  # the framework imported, no model yet
     method = spec.get("method", "lora")
     system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method)
+    if compile_:
+        system.bk.set_compile(system.model, True, compile_)
     batches = [system.prepare(r) for r in rows]
     times, losses = [], []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
         losses.append(system.train_step(batch))
         times.append(time.perf_counter() - t0)
-        log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i == 0 else 'timed'}): {times[-1]:.3f} s")
-    step_s = statistics.median(times[1:])
+        log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i < warm else 'timed'}): {times[-1]:.3f} s")
+    step_s = statistics.median(times[warm:])
     parts = {k: v / 2**20 for k, v in system.memory_parts().items()}
     peaks = mem.stop()
     parts["activations"] = peaks["peak_private_mb"] - baseline["private_mb"] - sum(parts.values())
@@ -272,7 +276,8 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                 for task in ("train", "decode") if method == "lora" else ("train",):
                     spec = {"task": task, "system": system, "method": method, "shape": args.shape,
                             "layers": args.layers, "batch": args.batch, "block": args.block, "steps": args.steps,
-                            "new_tokens": args.new_tokens, "threads": args.threads, **files}  # fmt: skip
+                            "new_tokens": args.new_tokens, "threads": args.threads, "compile": args.compile,
+                            **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
                     out = spawn("examples.lm.bench", spec, args.threads)
                     result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
@@ -332,7 +337,8 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
     lines = [f"shape {args.shape} (hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, MLP {cfg.intermediate_size}, "
              f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}); LoRA r {R} alpha "
              f"{ALPHA:g} on {','.join(t.removesuffix('_proj') for t in TARGETS)}; batch {args.batch} x block {args.block}; "
-             f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); greedy "
+             f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); "
+             f"{'ours-torch compiled (' + args.compile + '); ' if args.compile else ''}greedy "
              f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
              environment_line(env),
              f"FLOPs per trained token {flops['train_step'] / 1e6:.1f} M (2 matmul {flops['matmul'] / 1e6:.1f} M + 3 "
@@ -389,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--threads", type=int, default=1, help="torch and OpenMP threads of every system and the GEMM peak")
     p.add_argument("--repeats", type=int, default=1, help="runs per system (medians reported)")
+    p.add_argument("--compile", default=None, metavar="DYNAMO_BACKEND",
+                   help="ours-torch's training step through torch.compile (set_compile) with this backend, e.g. "
+                        "inductor; two untimed warm-up updates")  # fmt: skip
     p.add_argument("--methods", default="lora",
                    help=f"comma-separated fine-tuning methods of {','.join(METHODS)} (decoding runs with lora)")
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
