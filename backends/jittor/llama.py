@@ -138,11 +138,12 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
         self.grad_checkpoint = False  # set_grad_checkpoint: recompute each layer in the backward pass
         self._rope: tuple[np.ndarray, np.ndarray] | None = None  # cos, sin tables (numpy), grown on demand
 
-    def rope(self, pos):
-        """cos, sin (pos.shape + (D,)) at the positions ``pos`` (the spec's ``rope_tables``,
-        grown when a longer sequence needs them)."""
+    def rope(self, pos, need: int | None = None):
+        """cos, sin (pos.shape + (D,)) at the positions ``pos``, all below ``need`` (default: read
+        off ``pos``) (the spec's ``rope_tables``, grown when a longer sequence needs them)."""
         pos = _np(pos).astype(np.int64)
-        need = int(pos.max()) + 1 if pos.size else 1
+        if need is None:
+            need = int(pos.max()) + 1 if pos.size else 1
         if self._rope is None or self._rope[0].shape[0] < need:
             n = min(max(need, 256, 0 if self._rope is None else 2 * self._rope[0].shape[0]),
                     self.config.max_position_embeddings)
