@@ -140,43 +140,24 @@ def empty_model(model_cls, cfg):
 
 def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool = True, compute_dtype: str = "float32",
                          blocksize: int = 64, explicit: bool = True):
-    """A QLoRA base (Llama family or GPT-2): ``lora_core.quant.checkpoint4bit.load_4bit_checkpoint``
-    (a bitsandbytes checkpoint as it is, or quantized while loading), then the adapter."""
-    from lora_core.quant.checkpoint4bit import load_4bit_checkpoint
+    """A QLoRA base (Llama family or GPT-2); see ``lora_core.quant.checkpoint4bit.build_4bit_model``."""
+    from lora_core.quant.checkpoint4bit import build_4bit_model
 
     from .gpt2 import GPT2LMModel
     from .inject import load_lora_adapter
     from .llama import LlamaForCausalLM
 
-    family, cfg, states, tensors, qcfg = load_4bit_checkpoint(path, quantize, double_quant, compute_dtype, blocksize,
-                                                              explicit)
-    model = empty_model(LlamaForCausalLM if family == "llama" else GPT2LMModel, cfg)
-    to_4bit(model, states, qcfg)
-    del states
-    if family == "llama":
-        model.load_weights(tensors, partial=True)
-    else:
-        model.load_weights(tensors)
-    del tensors  # the maps: nothing of the file stays referenced
-    if adapter is not None:
-        load_lora_adapter(model, adapter)
-    return model
+    return build_4bit_model({"llama": LlamaForCausalLM, "gpt2": GPT2LMModel}, empty_model, to_4bit, load_lora_adapter,
+                            path, adapter, quantize, double_quant, compute_dtype, blocksize, explicit)
 
 
 def save_quantized(model, folder) -> None:
     """Save a 4-bit model's base as a bitsandbytes checkpoint folder that transformers loads
     (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``); LoRA is not part of
-    it (``save_lora_adapter``). See ``lora_core.quant.checkpoint4bit.save_4bit_checkpoint``."""
-    from lora_core.lora.naming import is_lora_name
-    from lora_core.quant.checkpoint4bit import save_4bit_checkpoint
+    it (``save_lora_adapter``). See ``lora_core.quant.checkpoint4bit.save_4bit_model``."""
+    from lora_core.quant.checkpoint4bit import save_4bit_model
 
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear4bit)}
-    if not layers:
-        raise ValueError("save_quantized: the model has no 4-bit layer (load it with quantize='nf4')")
-    states = {n + ".weight": _state_of(m) for n, m in layers.items()}
-    tensors = {n: v for n, v in model.state_numpy().items() if not is_lora_name(n)}
-    dtypes = {m.compute_dtype_name for m in layers.values()}
-    save_4bit_checkpoint(folder, model.config, tensors, states, dtypes.pop() if len(dtypes) == 1 else "float32")
+    save_4bit_model(model, folder, LoRALinear4bit, _state_of)
 
 
 def _state_of(m: LoRALinear4bit) -> NF4State:

@@ -128,4 +128,42 @@ def save_4bit_checkpoint(folder: str | os.PathLike, cfg, tensors: dict[str, np.n
         write_bnb4bit_checkpoint(folder, cfg.to_hf_dict(), tensors, states, compute_dtype)
 
 
-__all__ = ["gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint"]
+
+
+def build_4bit_model(model_classes: dict, empty_model, to_4bit, load_adapter, path, adapter=None, quantize=None,
+                     double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64,
+                     explicit: bool = True):
+    """The backends' ``from_pretrained_4bit``: ``load_4bit_checkpoint``, then the family's model
+    (``model_classes[family]``, built by the backend's ``empty_model(cls, cfg)``), its frozen
+    projections made 4-bit (``to_4bit(model, states, qcfg)``), the rest of the weights (strict),
+    and the adapter folder (``load_adapter(model, adapter)``)."""
+    family, cfg, states, tensors, qcfg = load_4bit_checkpoint(path, quantize, double_quant, compute_dtype, blocksize,
+                                                              explicit)
+    model = empty_model(model_classes[family], cfg)
+    to_4bit(model, states, qcfg)
+    del states
+    if family == "llama":
+        model.load_weights(tensors, partial=True)
+    else:
+        model.load_weights(tensors)
+    del tensors  # the maps: nothing of the file stays referenced
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return model
+
+
+def save_4bit_model(model, folder, layer_cls, state_of) -> None:
+    """The backends' ``save_quantized``: every ``layer_cls`` module's NF4 state (``state_of``) and
+    the model's other non-LoRA tensors, as ``save_4bit_checkpoint`` writes them."""
+    from ..lora.naming import is_lora_name
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, layer_cls)}
+    if not layers:
+        raise ValueError("save_quantized: the model has no 4-bit layer (load it with quantize='nf4')")
+    states = {n + ".weight": state_of(m) for n, m in layers.items()}
+    tensors = {n: v for n, v in model.state_numpy().items() if not is_lora_name(n)}
+    dtypes = {m.compute_dtype_name for m in layers.values()}
+    save_4bit_checkpoint(folder, model.config, tensors, states, dtypes.pop() if len(dtypes) == 1 else "float32")
+
+
+__all__ = ["build_4bit_model", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint", "save_4bit_model"]
