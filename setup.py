@@ -22,6 +22,6 @@ setup(
     packages=find_packages(include=["lora_core*", "backends*", "eval*", "examples*"]),
     install_requires=["numpy>=1.22", "safetensors>=0.4", "tokenizers>=0.15"],
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["lora-eval = eval.cli:main"]},
+    entry_points={"console_scripts": ["lora-eval = eval.cli:main", "lora-plan = lora_core.plan.cli:main"]},
     license="MIT",
 )

@@ -18,6 +18,10 @@ gradients, AdamW's moments), measured in the worker after the timed steps; ``act
 is the rest of the growth: peak private memory minus the private memory before the model was
 built minus those three (activations, temporaries of the backward pass, and what the
 allocator keeps).
+
+The planner column: ``predicted MB`` is ``lora_core.plan.bench_plan`` for the row's method,
+system and shape (the memory planner, docs/planning.md), ``error %`` its difference from the
+measured peak private memory.
 """
 
 from __future__ import annotations
@@ -40,8 +44,20 @@ def split_key(key: str) -> tuple[str, str]:
     return system, method or "lora"
 
 
-def rows(med: dict, flops: dict, peak_gflops: float) -> list[dict]:
-    """One dict per (method, system) with the table's figures, in method order."""
+def predicted(settings: dict | None, system: str, method: str, measured: float | None) -> tuple:
+    """The planner's peak (MB) for a row and its error (%) against ``measured``; ``settings``:
+    the bench's ``shape``, ``layers``, ``batch``, ``block`` (None: no prediction)."""
+    from lora_core.plan import SYSTEMS, bench_plan
+
+    if not settings or system not in SYSTEMS:
+        return None, None
+    p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method).peak
+    return p, (None if not measured else 100 * (p - measured) / measured)
+
+
+def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = None) -> list[dict]:
+    """One dict per (method, system) with the table's figures, in method order; with the
+    bench's ``settings`` (shape, layers, batch, block), the planner's prediction too."""
     from .bench_systems import METHODS
 
     out = []
@@ -52,25 +68,28 @@ def rows(med: dict, flops: dict, peak_gflops: float) -> list[dict]:
         full = med.get(f"{system} full")
         base = full.get("train_peak_private_mb") if full else None
         private = m.get("train_peak_private_mb")
+        pred, err = predicted(settings, system, method, private)
         out.append({"method": method, "system": system, "tok_s": tok_s, "gflops": gflops,
                     "peak_fraction": None if gflops is None else gflops / peak_gflops,
                     "s_per_100": None if not tok_s else 100 * m["median_step_s"],
                     "rss_mb": m.get("train_peak_rss_mb"), "private_mb": private, "anon_mb": m.get("train_peak_anon_mb"),
                     "vs_full": None if not (base and private) else private / base,
-                    "parts_mb": m.get("parts_mb") or {}})  # fmt: skip
+                    "parts_mb": m.get("parts_mb") or {}, "predicted_mb": pred, "error_pct": err})  # fmt: skip
     return sorted(out, key=lambda r: (METHODS.index(r["method"]), r["system"]))
 
 
 def table_lines(rows_: list[dict], fmt) -> list[str]:
     head = (f"{'method':9s} {'system':12s} {'tok/s':>7s} {'s/100 upd':>9s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
-            f"{'anon MB':>7s} {'vs full':>7s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'act+etc':>7s}")
+            f"{'anon MB':>7s} {'vs full':>7s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'act+etc':>7s} "
+            f"{'pred MB':>7s} {'err %':>6s}")
     lines = [head]
     for r in rows_:
         frac = None if r["peak_fraction"] is None else 100 * r["peak_fraction"]
         lines.append(f"{r['method']:9s} {r['system']:12s} {fmt(r['tok_s'], '.1f'):>7s} {fmt(r['s_per_100'], '.1f'):>9s} "
                      f"{fmt(frac, '.1f'):>6s} {fmt(r['rss_mb'], '.0f'):>7s} {fmt(r['private_mb'], '.0f'):>7s} "
                      f"{fmt(r['anon_mb'], '.0f'):>7s} {fmt(r['vs_full'], '.2f'):>7s} "
-                     + " ".join(f"{fmt(r['parts_mb'].get(p), '.0f'):>7s}" for p in PARTS))  # fmt: skip
+                     + " ".join(f"{fmt(r['parts_mb'].get(p), '.0f'):>7s}" for p in PARTS)
+                     + f" {fmt(r.get('predicted_mb'), '.0f'):>7s} {fmt(r.get('error_pct'), '+.1f'):>6s}")  # fmt: skip
     return lines
 
 

@@ -1,0 +1,54 @@
+"""``lora-plan``: the memory planner on the console (``lora_core.plan.memory``).
+
+Usage::
+
+    lora-plan --model llama-3.2-3b --method lora --targets q_proj,k_proj,v_proj,o_proj --r 8 \
+        --precision bf16 --gc --zero 0 --ranks 1 --batch 4 --seq 512 --system gpu
+    python -m lora_core.plan.cli --model path/to/config.json --method full --zero 3 --ranks 8
+
+``--model``: a ``config.json`` (or its folder) of GPT-2 or the Llama family (llama, mistral,
+qwen2), or a preset name of ``lora_core.models.llama.PRESETS`` / ``lora_core.PRESETS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, PlanConfig, fmt_plan, plan, resolve_model
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-plan", description="Predict a fine-tuning run's per-rank peak memory.")
+    p.add_argument("--model", required=True, help="config.json (or its folder) or a preset name")
+    p.add_argument("--method", default="lora", choices=METHODS)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated adapted projections")
+    p.add_argument("--r", type=int, default=8, help="LoRA rank")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--gc", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--zero", type=int, default=0, help=f"ZeRO stage, one of {STAGES}")
+    p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--batch", type=int, default=2, help="micro-batch (rows per rank)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per row")
+    p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS))
+    p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg, name = resolve_model(args.model)
+        c = PlanConfig(method=args.method, targets=tuple(t for t in args.targets.split(",") if t), r=args.r,
+                       precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
+                       seq=args.seq, system=args.system, overhead_mb=args.overhead_mb)  # fmt: skip
+        result = plan(cfg, c)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    print(fmt_plan(result, c, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
