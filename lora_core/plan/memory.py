@@ -8,21 +8,25 @@ tensor by saved tensor), QLoRA (Dettmers et al. 2023: NF4 with double quantizati
 the autograd graphs of the models measured (``backends/torch/llama.py``,
 ``backends/jittor/llama.py``, transformers' ``modeling_llama.py`` + peft).
 
-The model (``plan``; every term per rank, bytes)::
+The model (``plan``; every term per rank, bytes; P: parameters, T: trainable ones)::
 
-    weights     = frozen params x frozen bytes + trainable params x weight bytes   (/ ranks at ZeRO-3)
-    gradients   = trainable params x grad bytes                                    (/ ranks at ZeRO >= 2)
-    optimizer   = trainable params x (8 AdamW moments [+ 4 fp32 master in bf16])   (/ ranks at ZeRO >= 2)
-    activations = tokens x act bytes x (layers x saved-per-layer        without GC
-                                        | layers x hidden + saved-per-layer  with GC: each layer's
-                                          input, and one layer recomputed in the backward pass)
-                  + tokens x (head: logits' log-softmax, its gradients) + backward transients
-    overhead    = the system's constant (the framework imported, measured) + allocator slack x
-                  activations
+    weights     = (P - T) x frozen bytes (4 fp32 | 2 bf16 | 0.516 NF4 + double quant) + T x 4   (LoRA)
+                  P x (4 | 2)                                                                (full)
+                  / ranks at ZeRO-3, plus two gathered layers
+    gradients   = T x (4 | 2 for bf16 full FT)                        / ranks at ZeRO >= 2
+    optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
+    activations = act_scale x tokens x (saved x act bytes + head + transient)
+        saved = layers x layer_saved            (no GC)
+              | layers x hidden + layer_saved   (GC: each layer's input; one layer recomputed)
+        head  = 4 x (hidden (x2 trained) + (3 + logits held) x vocab)  (loss in fp32: log-softmax
+                output, then two (N, V) gradients)
+        transient = (2 ffn + 2 hidden) x act bytes (one layer's backward)
+    overhead    = base (framework imported) + extra + (ckpt_kept [+ qlora_kept]) x fp32 checkpoint bytes
+    peak        = weights + optimizer + overhead + gradients + (overlap for full FT | 1) x activations
 
-At the peak (the start of the backward pass) the activations and the weights' gradients do not
-all coexist when gradients are freed after each update (``set_to_none``, all three systems):
-the dynamic part is ``max(activations, gradients + step temporaries)``.
+``overlap`` < 1: full FT's gradients are made while the backward pass frees activations, so
+not all of both are alive at once. The per-system constants (``SYSTEMS``) were measured on the
+methods bench (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -44,38 +48,42 @@ class System:
 
     ``base_mb``: private memory with the framework imported and no model (the bench's
     ``baseline_private_mb``); ``extra_mb``: a constant above it once a model trains (the
-    autograd engine, thread pools, oneDNN's packed weights, the allocator's free lists);
-    ``act_scale``: measured over predicted activations (1: exactly the tensors listed in
-    ``layer_saved``); ``overlap``: full FT, the share of the activations alive with all the
-    gradients (they are freed as the backward pass makes gradients); ``silu_saved``,
+    autograd engine, thread pools, kernels' workspaces); ``ckpt_kept``: bytes kept per byte of
+    the fp32 checkpoint (the loader's pages and copies the process still holds: a memory-mapped
+    safetensors file's touched pages are private until unmapped); ``act_scale``: measured over
+    counted activations (1: exactly the tensors of ``layer_saved`` and the head);
+    ``overlap``: full FT, the share of the activations alive with all the gradients (freed as
+    the backward pass makes gradients); ``qlora_kept``: bytes per fp32 checkpoint byte a 4-bit
+    model keeps from loading (quantization reads the fp32 weights); ``silu_saved``,
     ``norm_saved``, ``attn_probs``: tensors SwiGLU keeps (ours-torch: gate and up, a custom
-    function; transformers: gate, silu(gate), up; Jittor's lazy graph: every intermediate), per
-    RMSNorm (in hidden widths), and (heads x T) attention matrices per token (0: a fused
-    SDPA kernel); ``qlora_load``: the load-time peak of a 4-bit model in fp32 weights' bytes
-    (quantizing reads the fp32 checkpoint); ``qlora_residue``: fp32 weight bytes a 4-bit model
-    keeps after loading (transformers + bitsandbytes on CPU)."""
+    function; transformers: gate, silu(gate), up; Jittor's lazy graph: its intermediates), per
+    RMSNorm (hidden widths), and (heads x T) attention matrices per token (0: a fused SDPA)."""
 
     name: str
     base_mb: float
     extra_mb: float
+    ckpt_kept: float = 0.0
     act_scale: float = 1.0
     overlap: float = 1.0
+    qlora_kept: float = 0.0
     silu_saved: int = 2
     norm_saved: int = 1
     attn_probs: int = 0
     logits_alive: int = 0  # logits (N, V) held by the caller through the backward pass
-    qlora_load: float = 0.0
-    qlora_residue: float = 0.0
     note: str = ""
 
 
 # Measured on the CPU bench (docs/planning.md, docs/bench/lm_methods_*.json): base_mb is the
-# bench's baseline_private_mb; the other constants are fitted to its rows (both shapes).
+# bench's baseline_private_mb; extra_mb, ckpt_kept, act_scale, overlap and qlora_kept are a
+# least-squares fit to its rows (two shapes, 12 rows per system; the fit is described in docs/planning.md).
 SYSTEMS: dict[str, System] = {
-    "ours-torch": System("ours-torch", 147.0, 230.0, 1.0, 0.75, 2, 1, 0, 0, 1.9, 0.0, "PyTorch CPU, backends.torch"),
-    "ours-jittor": System("ours-jittor", 20.0, 276.0, 1.53, 0.9, 4, 3, 2, 0, 1.9, 0.0, "Jittor CPU, backends.jittor"),
-    "hf-peft": System("hf-peft", 146.0, 318.0, 1.0, 1.0, 3, 1, 0, 1, 0.0, 1.0, "transformers + peft, PyTorch CPU"),
-    "gpu": System("gpu", 500.0, 0.0, 1.1, 1.0, 2, 1, 0, 0, 0.0, 0.0,
+    "ours-torch": System("ours-torch", 147.0, 132.9, 0.433, 0.517, 0.573, 0.646, 2, 1, 0, 0,
+                         "PyTorch CPU, backends.torch"),
+    "ours-jittor": System("ours-jittor", 20.0, 169.5, 0.224, 1.509, 0.850, 0.671, 4, 3, 2, 0,
+                          "Jittor CPU, backends.jittor"),
+    "hf-peft": System("hf-peft", 146.0, 177.4, 0.382, 0.966, 0.924, 1.015, 3, 1, 0, 1,
+                      "transformers + peft, PyTorch CPU"),
+    "gpu": System("gpu", 500.0, 0.0, 0.0, 1.1, 1.0, 0.0, 2, 1, 0, 0,
                   "assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the activations"),
 }  # fmt: skip
 
@@ -141,17 +149,15 @@ class PlanConfig:
 
 @dataclass
 class Plan:
-    """A prediction (MB per rank). ``peak`` is the larger of the training step's peak
-    (``train_peak``) and, for a 4-bit base, the load-time peak (``load_peak``: quantizing reads
-    the fp32 checkpoint); ``per_layer``: one layer's saved activations by what keeps them."""
+    """A prediction (MB per rank): the peak and its parts (module docstring); ``per_layer``:
+    one layer's saved activations by what keeps them."""
 
     weights: float
     gradients: float
     optimizer: float
     activations: float
     overhead: float
-    train_peak: float = 0.0
-    load_peak: float = 0.0
+    peak: float = 0.0
     per_layer: dict[str, float] = field(default_factory=dict)
     per_layer_gc: float = 0.0
     per_layer_nogc: float = 0.0
@@ -160,10 +166,6 @@ class Plan:
     trainable: int = 0
     flops_per_token: float = 0.0
     flops_note: str = ""
-
-    @property
-    def peak(self) -> float:
-        return max(self.train_peak, self.load_peak)
 
 
 def arch_of(cfg) -> Arch:
@@ -261,17 +263,16 @@ def plan(cfg, c: PlanConfig) -> Plan:
     head = 4 * (a.hidden * (2 if c.method == "full" else 1) + (3 + sysm.logits_alive) * a.vocab)
     transient = (2 * a.ffn + 2 * a.hidden) * ab  # one layer's backward: its widest gradients
     quant_tmp = max(i * o for i, o in a.proj.values()) * 4 if quantized else 0  # one dequantized weight
-    activations = tokens * (saved * ab * sysm.act_scale + head + transient) + quant_tmp
+    activations = sysm.act_scale * (tokens * (saved * ab + head + transient) + quant_tmp)
     base = (sysm.base_mb if c.overhead_mb is None else c.overhead_mb) * MB
-    fp32_base = 4 * quantized  # the quantized weights' fp32 bytes
-    overhead = base + sysm.extra_mb * MB + sysm.qlora_residue * fp32_base
+    ckpt = 4 * (total - (trainable if c.method != "full" else 0))  # the checkpoint's fp32 bytes
+    overhead = base + sysm.extra_mb * MB + (sysm.ckpt_kept + (sysm.qlora_kept if quantized else 0)) * ckpt
     # full FT frees activations as the backward pass makes gradients: a share overlaps them all
     dynamic = gradients + (sysm.overlap if c.method == "full" else 1.0) * activations
-    train_peak = weights + optimizer + overhead + dynamic
-    load_peak = base + sysm.qlora_load * (fp32_base + 4 * (frozen - quantized)) if quantized else 0.0
+    peak = weights + optimizer + overhead + dynamic
     flops, note = flops_per_token(cfg, a, c, total, trainable)
-    return Plan(weights / MB, gradients / MB, optimizer / MB, activations / MB, overhead / MB, train_peak / MB,
-                load_peak / MB, {k: v * tokens * ab / MB for k, v in per_layer.items()},
+    return Plan(weights / MB, gradients / MB, optimizer / MB, activations / MB, overhead / MB, peak / MB,
+                {k: v * tokens * ab / MB for k, v in per_layer.items()},
                 a.hidden * ab * tokens / MB, nogc * ab * tokens / MB, tokens * head / MB,
                 total, trainable, flops, note)  # fmt: skip
 
@@ -303,9 +304,7 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
              f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
              f"system {c.system} ({sysm.note})",
-             f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)"
-             + (f"  at load (4-bit quantization of the fp32 checkpoint; training {p.train_peak:.1f} MB)"
-                if p.load_peak > p.train_peak else ""),
+             f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
              f"  {'optimizer state':22s} {p.optimizer:10.1f} MB",
