@@ -132,3 +132,14 @@ def test_predictions_within_ten_percent_of_the_bench(path):
 
 def test_bench_jsons_committed():
     assert len(BENCH_JSONS) >= 2, "docs/bench/lm_methods_<shape>_<hash>.json: one per bench shape"
+
+
+def test_methods_table_has_the_planner_column():
+    from examples.lm.methods_table import rows, table_lines
+    from examples.nlg.bench import _fmt
+
+    d = json.loads(BENCH_JSONS[0].read_text())
+    out = rows(d["summary"]["medians"], d["flops_per_token"], d["gemm"]["peak_gflops"], d["settings"])
+    done = [r for r in out if r["private_mb"] is not None]
+    assert done and all(abs(r["error_pct"]) < 10 for r in done)
+    assert "pred MB" in table_lines(out, _fmt)[0] and "err %" in table_lines(out, _fmt)[0]
