@@ -1,15 +1,26 @@
 """Data parallelism for Jittor: ``mpirun`` and jittor's MPI ops (``Var.mpi_all_reduce``; NCCL
-on GPUs); contract in ``backends.torch.distributed``, semantics in ``lora_core.train.distributed``."""
+on GPUs); contract in ``backends.torch.distributed``, semantics in ``lora_core.train.distributed``.
+
+ZeRO stage 2 (``zero=2``): the trained tensors are seen as one flat vector cut into contiguous
+slices, one per rank (``shard_range``); gradients are all-reduced as without ZeRO, each rank
+keeps the AdamW moments of its slice only, updates that slice, and the new values are
+all-gathered (an all-reduce of zero-padded slices: exact, since x + 0 = x). Stage 3 is
+refused: jittor's MPI ops offer no all-gather or reduce-scatter, so gathering a sharded
+parameter would cost a whole-size buffer per rank per use."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jittor as jt
 import numpy as np
 
-from lora_core.train.distributed import DistributedError, World, pick_loss
+from lora_core.train.distributed import DistributedError, World, pick_loss, shard_range
+from lora_core.train.optim import pack_state, step_size, unpack_state
 
 from .classify import cls_loss
 from .lora import assign_keep_grad, trainable_parameters
+from .optim import AdamW
 from .train import lm_loss
 
 
@@ -41,17 +52,111 @@ def all_reduce_sum(x: np.ndarray) -> np.ndarray:
 class _DataParallel:
     """The model and what the update needs; gradients are summed with one fused all-reduce."""
 
-    def __init__(self, model, loss: str):
-        self.model, self.loss = model, pick_loss(loss, lm_loss, cls_loss)
+    def __init__(self, model, loss: str, zero: int = 0):
+        self.model, self.loss, self.zero = model, pick_loss(loss, lm_loss, cls_loss), zero
 
 
-def data_parallel(model, loss: str = "lm"):
+def data_parallel(model, loss: str = "lm", zero: int = 0):
     """A handle over ``model`` for ``parallel_train_step``; the trainable (LoRA) parameters
-    are broadcast from rank 0 once, so every rank starts from the same values."""
+    are broadcast from rank 0 once, so every rank starts from the same values. ``zero=2``:
+    the optimizer state is sharded (``parallel_adamw``); ``zero=3`` raises ValueError."""
+    if zero == 3:
+        raise ValueError(
+            "--zero 3 (sharded parameters) is not available in the jittor backend: its MPI ops have no "
+            "all-gather, so each use of a parameter would copy the whole model per rank; use --zero 2 "
+            "(sharded gradients and optimizer state) or --backend torch"
+        )
+    if zero not in (0, 2):
+        raise ValueError(f"data_parallel: zero must be 0, 2 or 3, got {zero!r}")
     with jt.no_grad():
         for p in trainable_parameters(model).values():
             assign_keep_grad(p, p.mpi_broadcast(0))
-    return _DataParallel(model, loss)
+    return _DataParallel(model, loss, zero)
+
+
+def parallel_adamw(wrapper, params: dict, cfg):
+    """AdamW for a data-parallel run; with ``zero=2`` each rank keeps the moments of its slice."""
+    return _ShardedAdamW(params, cfg) if wrapper.zero else AdamW(params, cfg)
+
+
+def full_parameters(wrapper, write: bool = False):
+    """Every parameter is whole on every rank in jittor (no stage 3): nothing to gather."""
+    return contextlib.nullcontext()
+
+
+def _all_gather_flat(local, start: int, total: int):
+    """The flat vector of which this rank holds ``[start, start + len(local))``: zero-padded
+    slices summed over ranks (exact)."""
+    buf = np.zeros(total, dtype=np.float32)
+    buf[start : start + local.size] = local
+    return jt.array(buf).mpi_all_reduce("add")
+
+
+class _ShardedAdamW(AdamW):
+    """``AdamW`` whose moments cover this rank's slice of the flattened trained tensors (ZeRO-2)."""
+
+    def __init__(self, params: dict, cfg):
+        super().__init__(params, cfg)
+        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.sizes = [int(np.prod(s)) for s in self.shapes.values()]
+        self.total = sum(self.sizes)
+        self.start, self.stop = shard_range(self.total, jt.world_size, jt.rank)
+        decay = np.concatenate([np.full(k, float(self.decay[n])) for n, k in zip(self.params, self.sizes)])
+        self.decay_mask = decay[self.start : self.stop].astype(np.float32)
+        n = self.stop - self.start
+        self.m = jt.zeros((n,)).stop_grad()  # moments of the slice only
+        self.v = jt.zeros((n,)).stop_grad()
+
+    def _flat(self, tensors: dict):
+        return jt.concat([tensors[n].reshape(-1) for n in self.params])
+
+    def _split(self, flat) -> dict:
+        out, at = {}, 0
+        for (n, shape), k in zip(self.shapes.items(), self.sizes):
+            out[n] = flat[at : at + k].reshape(shape)
+            at += k
+        return out
+
+    def step(self, lr: float) -> None:
+        """Update this rank's slice, then all-gather the new values into every parameter."""
+        finite = self._unscale()
+        self._finite = None
+        if self.loss_scale is not None and not self.loss_scale.update(finite):
+            self.grads = None
+            return
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        size = step_size(lr, self.t, self.cfg)
+        a, b = self.start, self.stop
+        with jt.no_grad():
+            g = self._flat(self._grads())[a:b]
+            p = self._flat(self.params)[a:b]
+            m = self.m.update(self.m * b1 + g * (1 - b1))
+            v = self.v.update(self.v * b2 + g * g * (1 - b2))
+            new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
+            if self.cfg.weight_decay > 0:
+                new = new - jt.array(self.decay_mask * np.float32(lr * self.cfg.weight_decay)) * new
+            full = self._split(_all_gather_flat(new.numpy(), a, self.total))
+            for n, param in self.params.items():
+                assign_keep_grad(param, full[n])
+        jt.sync(list(self.params.values()) + [self.m, self.v])
+        self.grads = None
+
+    def state_numpy(self) -> dict:
+        """The whole moments (gathered from every rank: a collective) in ``pack_state``'s format."""
+        m = self._split(_all_gather_flat(self.m.numpy(), self.start, self.total))
+        v = self._split(_all_gather_flat(self.v.numpy(), self.start, self.total))
+        state = pack_state({n: t.numpy().copy() for n, t in m.items()}, {n: t.numpy().copy() for n, t in v.items()},
+                           self.t)
+        return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}
+
+    def load_state_numpy(self, state: dict) -> None:
+        if self.loss_scale is not None:
+            state = self.loss_scale.load_state_numpy(state)
+        m, v, self.t = unpack_state(list(self.params), state)
+        for mine, whole in ((self.m, m), (self.v, v)):
+            flat = np.concatenate([np.asarray(whole[n], np.float32).reshape(-1) for n in self.params])
+            mine.update(jt.array(flat[self.start : self.stop]))
 
 
 def _all_reduce_grads(optimizer) -> None:
@@ -95,4 +200,5 @@ def shutdown_process_group() -> None:
     """Nothing to leave: MPI is finalised by jittor at exit."""
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group"]
+__all__ = ["all_reduce_sum", "data_parallel", "full_parameters", "init_process_group", "parallel_adamw",
+           "parallel_train_step", "shutdown_process_group"]

@@ -2,8 +2,12 @@
 ``DistributedDataParallel``; the semantics are documented in ``lora_core.train.distributed``.
 
 Contract (same in every backend): ``init_process_group(world, timeout_s)``;
-``all_reduce_sum(x: np.ndarray) -> np.ndarray``; ``data_parallel(model, loss="lm") -> wrapper``
-(``loss``: ``"lm"`` for ``lm_loss``, ``"cls"`` for ``cls_loss``);
+``all_reduce_sum(x: np.ndarray) -> np.ndarray``; ``data_parallel(model, loss="lm", zero=0) -> wrapper``
+(``loss``: ``"lm"`` for ``lm_loss``, ``"cls"`` for ``cls_loss``; ``zero``: ZeRO stage 0, 2 or 3);
+``parallel_adamw(wrapper, params, cfg) -> optimizer`` (built after ``data_parallel``: ZeRO
+replaces the parameters by their shards); ``full_parameters(wrapper, write=False)``, a context
+in which every parameter is whole on every rank (evaluation, saving; ``write``: values written
+inside are kept, for loading);
 ``parallel_train_step(wrapper, optimizer, micro_batches, weights, lr, label_smooth,
 max_grad_norm) -> dict`` (the ``loss`` it returns is this rank's weighted share: the sum over
 ranks is the global loss); ``shutdown_process_group()``.
@@ -17,11 +21,13 @@ import datetime
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lora_core.train.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
+from .optim import AdamW
 from .precision import autocast
 from .train import lm_loss
 
@@ -74,20 +80,102 @@ class _Loss(torch.nn.Module):
             return self.loss(self.model, batch, label_smooth)
 
 
-def data_parallel(model, loss: str = "lm"):
+def data_parallel(model, loss: str = "lm", zero: int = 0):
     """``DistributedDataParallel`` over ``model`` (moved to this rank's GPU under NCCL). Only
     the trainable (LoRA) parameters are synchronised; the frozen base is neither broadcast
-    nor reduced."""
+    nor reduced. ``zero`` 2 or 3: PyTorch FSDP2 (``fully_shard``) instead, see :func:`_fsdp`."""
     if getattr(model, "compiled_loss", None) is not None:
         raise ValueError("compile (set_compile, --compile) runs on one process for now: the data-parallel "
                          "step is not compiled; drop --compile with torchrun")
+    check_zero(zero)
     if _device().type == "cuda":
         model.to(_device())
+    if zero:
+        return _fsdp(model, loss, zero)
     frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
     frozen += [f"model.{n}" for n, _ in model.named_buffers()]
     module = _Loss(model, loss)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
     return DistributedDataParallel(module, device_ids=None)
+
+
+def _fsdp(model, loss: str, zero: int):
+    r"""ZeRO on FSDP2: every block of the model (each item of its ``nn.ModuleList``\ s) is one
+    ``fully_shard`` unit, the loss module around the model the root. Stage 2 shards the
+    trained parameters, their gradients and AdamW moments on dim 0 (``reshard_after_forward=
+    False``: gathered once per update); the frozen base stays whole on every rank (ignored, as
+    with DDP). Stage 3 shards every parameter, frozen ones included, and regathers each block
+    in the backward pass. Buffers (the 4-bit layers' packed weights, masks) are never sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+    ignored = set() if zero == 3 else {p for p in model.parameters() if not p.requires_grad}
+    module = _Loss(model, loss)
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    for b in blocks:
+        if any(p.requires_grad or zero == 3 for p in b.parameters()):
+            fully_shard(b, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    module.zero = zero
+    return module
+
+
+def check_zero(zero: int) -> None:
+    if zero not in (0, 2, 3):
+        raise ValueError(f"data_parallel: zero must be 0, 2 or 3, got {zero!r}")
+
+
+def parallel_adamw(wrapper, params: dict, cfg):
+    """AdamW for a data-parallel run (after ``data_parallel``): with ZeRO the parameters are
+    FSDP2's ``DTensor`` shards and ``AdamW`` keeps the moments of this rank's shard only."""
+    return AdamW(params, cfg)
+
+
+@contextlib.contextmanager
+def full_parameters(wrapper, write: bool = False):
+    """Every parameter whole on every rank inside, for reading and loading them (ZeRO: each
+    ``DTensor`` shard is all-gathered into a plain parameter put in its place; a collective);
+    ``write``: values written inside are copied into this rank's shards at the end. Not for
+    forwards: FSDP's hooks would put the shards back."""
+    sharded = [(m, n, p) for m in wrapper.modules() for n, p in m._parameters.items()
+               if isinstance(p, DTensor)] if getattr(wrapper, "zero", 0) else []
+    copies: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for m, n, p in sharded:
+            if id(p) not in copies:  # tied weights stay tied
+                copies[id(p)] = torch.nn.Parameter(p.full_tensor().clone(), requires_grad=p.requires_grad)
+            m._parameters[n] = copies[id(p)]
+    try:
+        yield
+        if write:
+            rank, size = dist.get_rank(), dist.get_world_size()
+            with torch.no_grad():
+                for m, n, p in sharded:
+                    pieces = torch.chunk(m._parameters[n], size, dim=0)  # FSDP2's Shard(0) layout
+                    if rank < len(pieces):
+                        p.to_local().copy_(pieces[rank])
+    finally:
+        for m, n, p in sharded:
+            m._parameters[n] = p
+
+
+@contextlib.contextmanager
+def gathered_for_forward(wrapper):
+    """ZeRO: every FSDP unit all-gathered once and kept so inside (forwards inside, e.g. an
+    evaluation over batches that differ between ranks, then communicate nothing); else nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in wrapper.modules() if isinstance(m, FSDPModule)] if getattr(wrapper, "zero", 0) else []
+    for u in units:
+        u.set_reshard_after_forward(False, recurse=False)
+        u.unshard()
+    try:
+        yield
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(wrapper.zero == 3, recurse=False)
 
 
 def parallel_train_step(
@@ -101,12 +189,15 @@ def parallel_train_step(
 ) -> dict:
     """One update: micro-batch ``k`` contributes ``weights[k] x`` its mean loss; DDP averages
     over ranks, so the loss is scaled by the world size to make the average the sum. The
-    gradients are reduced once, on the last micro-batch (``no_sync`` before)."""
+    gradients are reduced once, on the last micro-batch (``no_sync`` before; with ZeRO FSDP2's
+    reduce-scatter, which also averages)."""
     wrapper.train()
     size, total = dist.get_world_size(), 0.0
     for k, (mb, w) in enumerate(zip(micro_batches, weights)):
         sync = k == len(micro_batches) - 1
-        with contextlib.nullcontext() if sync else wrapper.no_sync():
+        if getattr(wrapper, "zero", 0):
+            wrapper.set_requires_gradient_sync(sync)
+        with contextlib.nullcontext() if sync or getattr(wrapper, "zero", 0) else wrapper.no_sync():
             loss = wrapper(mb, label_smooth)
             optimizer.backward(loss, w * size)
         total += w * loss.item()
@@ -121,4 +212,5 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "init_process_group", "parallel_train_step", "shutdown_process_group"]
+__all__ = ["all_reduce_sum", "data_parallel", "full_parameters", "init_process_group", "parallel_adamw",
+           "parallel_train_step", "shutdown_process_group"]

@@ -6,15 +6,41 @@ clears the gradients; ``grads_numpy()``; ``state_numpy()``/``load_state_numpy()`
 With ``cfg.loss_scale`` (fp16): ``backward`` scales the loss by the current loss scale, the
 gradients are unscaled once before clipping or the update, and ``step`` skips an update whose
 gradients are not finite (``lora_core.train.precision.DynamicLossScale``; ``loss_scale`` attribute).
+Parameters may be FSDP2 ``DTensor`` shards (ZeRO, ``backends.torch.distributed``): the update
+acts on this rank's shard, the norm sums the shards, ``*_numpy`` gather whole tensors (collectives).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lora_core.train.optim import AdamWConfig, decays, pack_state, step_size, unpack_state
 from lora_core.train.precision import DynamicLossScale
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (the same storage), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(t: torch.Tensor) -> np.ndarray:
+    """numpy copy of the whole tensor (a ``DTensor`` is all-gathered)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().numpy().copy()
+
+
+def _copy_whole(dst: torch.Tensor, src: np.ndarray) -> None:
+    """Copy the whole value ``src`` into ``dst`` (a ``DTensor``: its Shard(0) piece only)."""
+    src = torch.from_numpy(src)
+    if isinstance(dst, DTensor):
+        pieces = torch.chunk(src, dst.device_mesh.size(), dim=0)
+        rank = dst.device_mesh.get_local_rank()
+        if rank < len(pieces):
+            dst.to_local().copy_(pieces[rank])
+    else:
+        dst.copy_(src)
 
 
 class AdamW:
@@ -53,8 +79,14 @@ class AdamW:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
         self._unscale()
-        grads = list(self._grads().values())
-        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        whole = list(self._grads().values())
+        grads, sharded = [_local(g) for g in whole], [isinstance(g, DTensor) for g in whole]
+        sq = torch.zeros(2, dtype=torch.float64, device=grads[0].device if grads else None)
+        for g, s in zip(grads, sharded):
+            sq[int(s)] += (g.double() ** 2).sum()
+        if any(sharded):
+            dist.all_reduce(sq[1:])  # shards: summed over ranks
+        norm = torch.sqrt(sq.sum()).item()
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             for g in grads:
@@ -73,15 +105,16 @@ class AdamW:
         self.t += 1
         b1, b2 = self.cfg.betas
         size = step_size(lr, self.t, self.cfg)
-        for n, p in self.params.items():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            m, v = self.m[n], self.v[n]
+        for n, param in self.params.items():
+            p = _local(param)
+            g = _local(param.grad) if param.grad is not None else torch.zeros_like(p)
+            m, v = _local(self.m[n]), _local(self.v[n])
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             p.addcdiv_(m, v.sqrt().add_(self.cfg.eps), value=-size)
             if self.cfg.weight_decay > 0 and self.decay[n]:
                 p.add_(p, alpha=-lr * self.cfg.weight_decay)
-            p.grad = None
+            param.grad = None
 
     def zero_grad(self) -> None:
         self._finite = None
@@ -89,12 +122,11 @@ class AdamW:
             p.grad = None
 
     def grads_numpy(self) -> dict[str, np.ndarray]:
-        return {n: g.detach().cpu().numpy().copy() for n, g in self._grads().items()}
+        return {n: _whole(g) for n, g in self._grads().items()}
 
     def state_numpy(self) -> dict:
         """Moments and step count as one flat numpy dict (``lora_core.train.optim.pack_state``)."""
-        state = pack_state({n: t.cpu().numpy().copy() for n, t in self.m.items()},
-                           {n: t.cpu().numpy().copy() for n, t in self.v.items()}, self.t)
+        state = pack_state({n: _whole(t) for n, t in self.m.items()}, {n: _whole(t) for n, t in self.v.items()}, self.t)
         return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}
 
     @torch.no_grad()
@@ -103,5 +135,5 @@ class AdamW:
             state = self.loss_scale.load_state_numpy(state)
         m, v, self.t = unpack_state(list(self.params), state)
         for n in self.params:
-            self.m[n].copy_(torch.from_numpy(m[n]))
-            self.v[n].copy_(torch.from_numpy(v[n]))
+            _copy_whole(self.m[n], m[n])
+            _copy_whole(self.v[n], v[n])

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
     p.add_argument("--method", choices=("lora", "full"),
                    help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
+    p.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
     p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
     p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
     resume = p.add_mutually_exclusive_group()
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision=args.precision))
         if args.method is not None:
             recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, method=args.method))
+        if args.zero is not None:
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, zero=args.zero))
         if recipe.train.method == "full":
             check_full_ft_input("--base", args.base, args.overrides)
         backend = lora_core.get_backend(args.backend)

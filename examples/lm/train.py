@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
     p.add_argument("--method", choices=("lora", "full"),
                    help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
+    p.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
     p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
     p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
     p.add_argument("--grad-checkpoint", action="store_true", help="recompute each layer in the backward pass")
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         if args.precision is not None:
             cfg = dataclasses.replace(cfg, precision=args.precision)
+        if args.zero is not None:
+            cfg = dataclasses.replace(cfg, zero=args.zero)
         train_blocks, valid_blocks, meta = read_prepared(args.prepared)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)

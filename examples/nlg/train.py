@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
     parser.add_argument("--method", choices=("lora", "full"),
                         help="lora: train the adapter; full: every weight (default: the recipe's)")
+    parser.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
         if args.precision is not None:
             cfg = dataclasses.replace(cfg, precision=args.precision)
+        if args.zero is not None:
+            cfg = dataclasses.replace(cfg, zero=args.zero)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, cfg.lora_config() if cfg.method == "lora" else None, comm)

@@ -85,6 +85,10 @@ class TrainConfig:
         method: ``lora`` trains the adapter (and what its config trains); ``full`` trains every
             weight of a model without LoRA (checkpoints hold the whole model in transformers'
             layout, ``lora_core.train.full_ft``); the ``lora_*`` fields then do not apply.
+        zero: ZeRO stage of a data-parallel run (``lora_core.train.distributed``): 0 (every rank
+            holds everything, DDP), 2 (gradients and optimizer state sharded over the ranks), 3
+            (parameters sharded too; torch only). One process ignores it; it does not change
+            the updates, so a run may resume with another stage or number of processes.
         decay_all: full fine-tuning only: weight decay on every weight; default (False) on
             matrices only, none on norms, biases and embeddings (``lora_core.train.optim.decays``).
             LoRA runs decay every trained tensor, as the paper code does.
@@ -119,9 +123,11 @@ class TrainConfig:
     loss_scale: float = 2.0**16
     method: Literal["lora", "full"] = "lora"
     decay_all: bool = False
+    zero: Literal[0, 2, 3] = 0
 
     def __post_init__(self):
         c = "TrainConfig"
+        _check(_is_int(self.zero) and self.zero in (0, 2, 3), c, "zero", self.zero, "0, 2 or 3")
         _check(self.method in ("lora", "full"), c, "method", self.method, "'lora' or 'full'")
         _check(isinstance(self.decay_all, bool), c, "decay_all", self.decay_all, "a bool")
         _check(not self.decay_all or self.method == "full", c, "decay_all", self.decay_all,

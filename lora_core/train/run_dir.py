@@ -244,7 +244,8 @@ def _with_defaults(saved: dict) -> dict:
 
     saved = dict(saved, task=saved.get("task", "lm"))
     if isinstance(saved.get("train"), dict):
-        saved["train"] = {**TrainConfig().to_dict(), **saved["train"]}
+        merged = {**TrainConfig().to_dict(), **saved["train"]}
+        saved["train"] = {k: v for k, v in merged.items() if k != "zero"}  # the ZeRO stage may change on resume
     return saved
 
 

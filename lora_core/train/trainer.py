@@ -41,6 +41,7 @@ Outputs in ``OUT``: ``train_config.json``, ``log.jsonl`` (one JSON object per li
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -170,16 +171,21 @@ class Trainer:
                 f"dropout_masks='numpy' (parity mode) runs on one process for the {self.task.name} task: "
                 "use dropout_masks='framework' with several processes"
             )
-        self.dp = backend.data_parallel(model, self.task.loss) if self.comm.world.parallel else None  # may move it to a GPU
-        self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
+        self.dp, self.optimizer = None, None
+        if self.comm.world.parallel:  # data_parallel may move the model to a GPU and shard it (ZeRO)
+            self.dp = backend.data_parallel(model, self.task.loss, cfg.zero)
+            self.optimizer = backend.parallel_adamw(self.dp, backend.trainable_parameters(model), cfg.adamw_config())
+        else:
+            self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
         self.state = TrainerState()
 
     # ---------------------------------------------------------------- run set-up
 
     def _run_config(self, examples) -> dict:
+        train = {k: v for k, v in self.cfg.to_dict().items() if k != "zero"}  # changes no update: resumable
         return {
             "task": self.task.name,
-            "train": self.cfg.to_dict(),
+            "train": train,
             **self.task.describe(self.model),
             "base": self.base_note,
             "data": {"n_train": len(examples), "sha256": self.task.fingerprint(examples)},
@@ -188,12 +194,12 @@ class Trainer:
     def _adapter_files(self):
         return self.task.adapter_files(self.backend, self.model, self.base_note)
 
-    def _prepare_dir(self, pairs, resume: bool, resume_from=None) -> None:
+    def _prepare_dir(self, pairs, resume: bool, resume_from=None):
+        """Rank 0: ready the folder; returns the checkpoint to resume from (read), or None."""
         found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self._adapter_files(), resume_from)
-        if found is not None:
-            self._restore(*found[1])
         if resume:
-            truncate_log(self.out_dir, self.state.step)
+            truncate_log(self.out_dir, found[1][2]["step"] if found is not None else 0)
+        return None if found is None else found[1]
 
     def _prepare(self, pairs, resume: bool, resume_from=None) -> None:
         """Check that every rank runs the same code and configuration, let rank 0 prepare the
@@ -201,11 +207,14 @@ class Trainer:
         comm = self.comm
         check_shardable(len(pairs), self.cfg.batch_size, self.cfg.grad_accum, self.cfg.last_batch, comm.world.size)
         if comm.world.parallel:
-            comm.check_same("run configuration or code", run_hash(self._run_config(pairs), self.backend.NAME))
-        comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
+            run = {**self._run_config(pairs), "zero": self.cfg.zero}
+            comm.check_same("run configuration or code", run_hash(run, self.backend.NAME))
+        found = comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
         ckpt = find_checkpoint(self.out_dir) if resume and not comm.world.is_main else None
         if ckpt is not None:
-            self.load_checkpoint(ckpt)
+            found = read_checkpoint(ckpt, self._adapter_files())
+        if found is not None:  # on every rank at once (with ZeRO, loading is a collective)
+            self._restore(*found)
 
     def _log(self, record: dict) -> None:
         if not self.comm.world.is_main:
@@ -236,7 +245,8 @@ class Trainer:
             "backend": self.backend.NAME,
             "world_size": self.comm.world.size,
         }
-        tensors = self.task.trained_tensors(self.backend, self.model)
+        with self._whole():
+            tensors = self.task.trained_tensors(self.backend, self.model)
         return self.comm.on_main(
             write_checkpoint, self.out_dir, s.step, self._adapter_files(), tensors, self.optimizer.state_numpy(), meta
         )
@@ -245,8 +255,13 @@ class Trainer:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
         self._restore(*read_checkpoint(path, self._adapter_files()))
 
+    def _whole(self, write: bool = False):
+        """Every parameter whole inside (ZeRO: gathered; ``backend.full_parameters``)."""
+        return self.backend.full_parameters(self.dp, write) if self.dp is not None else contextlib.nullcontext()
+
     def _restore(self, tensors: dict, opt: dict, meta: dict) -> None:
-        self.model.load_partial(tensors)
+        with self._whole(write=True):
+            self.model.load_partial(tensors)
         self.optimizer.load_state_numpy(opt)
         self.state = TrainerState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainerState)})
 
@@ -278,6 +293,10 @@ class Trainer:
             raise ValueError("the validation set is empty: give valid_examples=None to train without validation")
         valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
         self.task.check(pairs + valid, model)
+        if valid and self.cfg.zero and self.dp is not None and be.NAME == "torch":
+            raise ValueError("validation during a torch ZeRO run (--zero 2/3) is not supported yet (FSDP2's "
+                             "gathered parameters break after a no-grad forward): train without --valid, "
+                             "evaluate the saved checkpoint")
         self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
