@@ -1,4 +1,4 @@
-"""lora_core: LoRA for GPT-2 in PyTorch and Jittor, one spec, two backends that agree."""
+"""lora_core: LoRA for GPT-2, DistilBERT and the Llama family in PyTorch and Jittor, one spec, two backends that agree."""
 
 from setuptools import find_packages, setup
 
@@ -15,7 +15,7 @@ EXTRAS["all"] = sorted({d for deps in EXTRAS.values() for d in deps})
 setup(
     name="lora_core",
     version="0.1.0",
-    description="LoRA (Hu et al. 2021) for GPT-2 with PyTorch and Jittor backends that agree to fp32 precision",
+    description="LoRA (Hu et al. 2021) for GPT-2, DistilBERT and Llama-family models with PyTorch and Jittor backends that agree to fp32 precision",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
