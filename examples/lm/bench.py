@@ -66,7 +66,7 @@ from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_we
 from ..bench_worker import environment, environment_line, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
 from .bench_systems import ALPHA, METHODS, SEED, TARGETS, R, lora_arrays, make_system, token_rows
-from .methods_table import PARTS, method_flops, plot, rows, table_lines
+from .methods_table import PARTS, method_flops, plot, qlora_weight_lines, rows, table_lines
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 PROMPT_LEN, DECODE_B_STD = 32, 0.02
@@ -374,7 +374,8 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
-                  f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt)]  # fmt: skip
+                  f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt),
+                  *qlora_weight_lines(methods, cfg, R, TARGETS, _fmt)]  # fmt: skip
     return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
 
 

@@ -201,4 +201,8 @@ def _stored_bytes(model) -> float:
             total += t.numel() * t.element_size()
         else:  # jittor
             total += _numel(t) * np.dtype(str(t.dtype)).itemsize
+    for m in model.modules():  # jittor's 4-bit layer keeps its codes and scales outside its parameters
+        for t in getattr(m, "_nf4", None) or ():
+            if not hasattr(t, "data_ptr"):
+                total += _numel(t) * np.dtype(str(t.dtype)).itemsize
     return float(total)

@@ -119,3 +119,28 @@ def plot(rows_: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)  # 4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 absmax
+
+
+def qlora_weight_lines(rows_: list[dict], cfg, r: int, targets: tuple[str, ...], fmt) -> list[str]:
+    """The 4-bit weights' memory against its formula: every projection at ``NF4_BITS`` = 4.127
+    bits per weight (double quantization), what stays unquantized (embeddings, norms, the LM head)
+    at 32 bits, and the LoRA pair at 32 bits; one line per QLoRA row with the measured bytes."""
+    from lora_core.models.llama import base_shapes
+
+    shapes = base_shapes(cfg)
+    quant = sum(s[0] * s[1] for n, s in shapes.items() if n.endswith("proj.weight"))
+    other = sum(int(__import__("math").prod(s)) for n, s in shapes.items() if not n.endswith("proj.weight"))
+    dims = {n.split(".")[-2]: s for n, s in shapes.items() if n.startswith("model.layers.0.") and n.endswith(".weight")}
+    lora = cfg.num_hidden_layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+    formula = (quant * NF4_BITS / 8 + 4 * (other + lora)) / 2**20
+    out = []
+    for row in rows_:
+        w = row["parts_mb"].get("weights")
+        if row["method"] == "qlora" and w:
+            out.append(f"qlora weights {row['system']}: {fmt(w, '.1f')} MB measured, formula {formula:.1f} MB "
+                       f"({quant / 1e6:.1f} M quantized x {NF4_BITS:.3f} bits + {(other + lora) / 1e6:.2f} M x 32 "
+                       f"bits): {100 * (w / formula - 1):+.1f}%")
+    return out
