@@ -132,10 +132,15 @@ def to_4bit(model: nn.Module, states: dict, qcfg) -> None:
 
 
 def empty_model(model_cls, cfg):
-    """``model_cls(cfg)`` without committing weight memory (meta, then uninitialised pages)."""
+    """``model_cls(cfg)`` without committing weight memory: on the meta device for the Llama
+    family (its ``load_weights`` then takes the checkpoint's memory-mapped float32 arrays as they
+    are, so the unquantized weights, e.g. a 128k-row embedding, are never copied: the load's
+    peak stays near the 4-bit model plus one tensor), else uninitialised pages."""
+    from .llama import LlamaForCausalLM
+
     with torch.device("meta"):
         model = model_cls(cfg)
-    return model.to_empty(device="cpu")
+    return model if model_cls is LlamaForCausalLM else model.to_empty(device="cpu")
 
 
 def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool = True, compute_dtype: str = "float32",
@@ -147,8 +152,12 @@ def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool =
     from .inject import load_lora_adapter
     from .llama import LlamaForCausalLM
 
-    return build_4bit_model({"llama": LlamaForCausalLM, "gpt2": GPT2LMModel}, empty_model, to_4bit, load_lora_adapter,
-                            path, adapter, quantize, double_quant, compute_dtype, blocksize, explicit)
+    model = build_4bit_model({"llama": LlamaForCausalLM, "gpt2": GPT2LMModel}, empty_model, to_4bit, load_lora_adapter,
+                             path, adapter, quantize, double_quant, compute_dtype, blocksize, explicit)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"{path}: parameters left without values after loading: {left[:5]}")
+    return model
 
 
 def save_quantized(model, folder) -> None:
