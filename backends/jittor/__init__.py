@@ -13,6 +13,7 @@ _configure()
 _import_jittor()
 
 from lora_core.models import build as _build
+from lora_core.quant import checkpoint4bit as _quant4
 
 from ._gpu_check import ensure_gpu_ok as _ensure_gpu_ok
 from .compile import set_compile
@@ -59,32 +60,16 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quant
     ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``. ``quantize="nf4"``:
     a QLoRA base (``lora_core.quant.qlora``), quantized while loading."""
     _ensure_gpu_ok()  # before reading the checkpoint (the models' constructors check too)
-    if quantize is not None or not double_quant or compute_dtype != "float32" or blocksize != 64 \
-            or _prequantized(path):
-        return _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize)
+    if _quant4.wants_4bit(path, quantize, double_quant, compute_dtype, blocksize):
+        from .quant import from_pretrained_4bit
+
+        explicit = _quant4.check_4bit_request(path, lora, quantize)
+        return from_pretrained_4bit(path, adapter, quantize, double_quant, compute_dtype, blocksize, explicit)
     other = _build.pretrained_for_family(path, lora, adapter, {"llama": llama_from_pretrained})
     if other is not None:
         return other
     return _build.from_pretrained(GPT2LMModel, mark_only_lora_as_trainable, path, lora, adapter, trainable,
                                   load_lora_adapter)
-
-
-def _prequantized(path) -> bool:
-    """Whether ``path`` is a 4-bit checkpoint (config.json's quantization_config; another
-    quantization method or type raises ValueError naming what is supported)."""
-    from lora_core.formats.bnb4bit import quantization_config
-
-    return path is not None and quantization_config(path) is not None
-
-
-def _from_pretrained_4bit(path, lora, adapter, quantize, double_quant, compute_dtype, blocksize):
-    from .quant import from_pretrained_4bit
-
-    if lora is not None:
-        raise ValueError(f"{path}: a 4-bit base takes LoRA from inject_lora or an adapter folder, not lora=")
-    if quantize is None and not _prequantized(path):
-        raise ValueError("double_quant / compute_dtype / blocksize apply to quantize='nf4' only")
-    return from_pretrained_4bit(path, adapter, quantize, double_quant, compute_dtype, blocksize, quantize is not None)
 
 
 __all__ = [

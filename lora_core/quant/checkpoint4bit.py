@@ -166,4 +166,31 @@ def save_4bit_model(model, folder, layer_cls, state_of) -> None:
     save_4bit_checkpoint(folder, model.config, tensors, states, dtypes.pop() if len(dtypes) == 1 else "float32")
 
 
-__all__ = ["build_4bit_model", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint", "save_4bit_model"]
+
+
+def wants_4bit(path, quantize, double_quant: bool, compute_dtype: str, blocksize: int) -> bool:
+    """Whether the backends' ``from_pretrained`` call asks for a 4-bit base: ``quantize`` or a
+    4-bit option given, or a checkpoint whose config.json has a bitsandbytes
+    ``quantization_config`` (another quantization method or type raises ValueError naming what
+    is supported)."""
+    from ..formats.bnb4bit import quantization_config
+
+    if quantize is not None or not double_quant or compute_dtype != "float32" or blocksize != 64:
+        return True
+    return path is not None and quantization_config(path) is not None
+
+
+def check_4bit_request(path, lora, quantize) -> bool:
+    """Refuse what a 4-bit load cannot take (GPT-2's ``lora=``; 4-bit options without
+    ``quantize`` on a full-precision checkpoint); returns ``explicit``: quantize was given."""
+    from ..formats.bnb4bit import quantization_config
+
+    if lora is not None:
+        raise ValueError(f"{path}: a 4-bit base takes LoRA from inject_lora or an adapter folder, not lora=")
+    if quantize is None and not (path is not None and quantization_config(path) is not None):
+        raise ValueError("double_quant / compute_dtype / blocksize apply to quantize='nf4' only")
+    return quantize is not None
+
+
+__all__ = ["build_4bit_model", "check_4bit_request", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint",
+           "save_4bit_model", "wants_4bit"]
