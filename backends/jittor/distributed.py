@@ -16,7 +16,7 @@ import jittor as jt
 import numpy as np
 
 from lora_core.train.distributed import DistributedError, World, pick_loss, shard_range
-from lora_core.train.optim import pack_state, step_size, unpack_state
+from lora_core.train.optim import pack_state, unpack_state
 
 from .classify import cls_loss
 from .lora import assign_keep_grad, trainable_parameters
@@ -119,14 +119,10 @@ class _ShardedAdamW(AdamW):
 
     def step(self, lr: float) -> None:
         """Update this rank's slice, then all-gather the new values into every parameter."""
-        finite = self._unscale()
-        self._finite = None
-        if self.loss_scale is not None and not self.loss_scale.update(finite):
-            self.grads = None
+        size = self._begin_step(lr)
+        if size is None:
             return
-        self.t += 1
         b1, b2 = self.cfg.betas
-        size = step_size(lr, self.t, self.cfg)
         a, b = self.start, self.stop
         with jt.no_grad():
             g = self._flat(self._grads())[a:b]

@@ -63,17 +63,24 @@ class AdamW:
             self.grads = {n: g * coef for n, g in grads.items()}
         return norm
 
-    def step(self, lr: float) -> None:
-        """One update with learning rate ``lr``, then clear the gradients (with loss scaling: no
-        update when the gradients are not finite)."""
+    def _begin_step(self, lr: float) -> float | None:
+        """The update's step size (the step count advanced), or None when loss scaling skips the
+        update (gradients not finite; they are cleared)."""
         finite = self._unscale()
         self._finite = None
         if self.loss_scale is not None and not self.loss_scale.update(finite):
             self.grads = None
-            return
+            return None
         self.t += 1
+        return step_size(lr, self.t, self.cfg)
+
+    def step(self, lr: float) -> None:
+        """One update with learning rate ``lr``, then clear the gradients (with loss scaling: no
+        update when the gradients are not finite)."""
+        size = self._begin_step(lr)
+        if size is None:
+            return
         b1, b2 = self.cfg.betas
-        size = step_size(lr, self.t, self.cfg)
         grads = self._grads()
         with jt.no_grad():
             for n, p in self.params.items():
