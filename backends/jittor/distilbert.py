@@ -176,14 +176,27 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
 
 
 def distilbert_from_pretrained(
-    path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0
+    path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0,
+    quantize: str | None = None, double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64,
 ):
     """A DistilBERT classifier from HF weights (a checkpoint without a classification head
     gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);
-    see ``lora_core.models.distilbert.classifier_from_pretrained``."""
+    see ``lora_core.models.distilbert.classifier_from_pretrained``. ``quantize="nf4"`` (or a
+    bitsandbytes 4-bit checkpoint): a QLoRA base, see ``lora_core.quant.distilbert4bit``."""
+    from lora_core.quant import checkpoint4bit as q4
+
     from .inject import load_lora_adapter
 
     ensure_gpu_ok()  # before reading the checkpoint (the model's constructor checks too)
+    if q4.wants_4bit(path, quantize, double_quant, compute_dtype, blocksize):
+        from lora_core.quant.distilbert4bit import build_4bit_classifier
+
+        from .quant import empty_model, to_4bit
+
+        explicit = q4.check_4bit_request(path, None, quantize)
+        return build_4bit_classifier(DistilBertForSequenceClassification, empty_model, to_4bit, load_lora_adapter, path,
+                                     adapter, num_labels, head_seed, quantize, double_quant, compute_dtype, blocksize,
+                                     explicit)
     return classifier_from_pretrained(DistilBertForSequenceClassification, load_lora_adapter, path, adapter,
                                       num_labels, head_seed)
 

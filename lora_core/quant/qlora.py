@@ -1,8 +1,16 @@
 """QLoRA's frozen 4-bit base, framework-free parts: which weights are quantized (every
-projection of the Llama family and GPT-2's four linear layers; embeddings, norms, biases and
-the LM head stay as transformers' 4-bit loading leaves them), and quantizing a checkpoint
-while it loads, one memory-mapped tensor at a time (Dettmers et al. 2023; transformers'
-``BitsAndBytesConfig(load_in_4bit=True)`` keeps ``lm_head`` unquantized)."""
+projection of the Llama family, GPT-2's four linear layers, DistilBERT's six per block;
+embeddings, norms, biases and the LM head stay as transformers' 4-bit loading leaves them),
+and quantizing a checkpoint while it loads, one memory-mapped tensor at a time (Dettmers et
+al. 2023; transformers' ``BitsAndBytesConfig(load_in_4bit=True)`` keeps ``lm_head``
+unquantized).
+
+DistilBERT's classification head (``pre_classifier``, ``classifier``) stays in float32: the
+head is what a classifier fine-tunes fully (``modules_to_save``), and it is what transformers
+leaves unquantized when told ``llm_int8_skip_modules=["pre_classifier", "classifier"]``
+(``DISTILBERT_SKIP``, written into the checkpoints we save). Without that list transformers
+5.24 quantizes the head too (DistilBERT has no output embedding to skip); such a checkpoint
+loads with the head in 4 bits, as it is stored."""
 
 from __future__ import annotations
 
@@ -13,6 +21,9 @@ from ..models.llama import PROJECTIONS
 from .nf4 import NF4State, check_blocksize, quantize_nf4
 
 GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+DISTILBERT_LINEARS = ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "ffn.lin1",
+                      "ffn.lin2")
+DISTILBERT_SKIP = ("pre_classifier", "classifier")  # transformers' llm_int8_skip_modules for our checkpoints
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ def is_quantized_weight(name: str) -> bool:
     if not name.endswith(".weight"):
         return False
     module = name[: -len(".weight")]
-    return module.rsplit(".", 1)[-1] in PROJECTIONS or module.endswith(GPT2_LINEARS)
+    return module.rsplit(".", 1)[-1] in PROJECTIONS or module.endswith(GPT2_LINEARS + DISTILBERT_LINEARS)
 
 
 def quantize_while_loading(tensors: dict, qcfg: QuantConfig) -> dict[str, NF4State]:
@@ -67,4 +78,5 @@ def module_of(name: str) -> str:
     return name[: -len(".weight")]
 
 
-__all__ = ["GPT2_LINEARS", "QuantConfig", "is_quantized_weight", "module_of", "quant_config", "quantize_while_loading"]
+__all__ = ["DISTILBERT_LINEARS", "DISTILBERT_SKIP", "GPT2_LINEARS", "QuantConfig", "is_quantized_weight", "module_of",
+           "quant_config", "quantize_while_loading"]

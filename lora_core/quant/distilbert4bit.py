@@ -1,0 +1,114 @@
+"""DistilBERT's QLoRA base (Sanh et al. 2019; Dettmers et al. 2023), framework-free: a
+``DistilBertForSequenceClassification`` checkpoint quantized while it loads (the six linear
+weights of each block NF4, one memory-mapped tensor at a time: ``lora_core.quant.qlora``), or
+a bitsandbytes 4-bit checkpoint read as it is (transformers' names are ours, weights (out,
+in) as in ``nn.Linear``), and the ``quantization_config`` our saved checkpoints carry.
+
+Which layers are 4-bit: the blocks' ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin``, ``lin1``,
+``lin2``; the head (``pre_classifier``, ``classifier``), embeddings and LayerNorms stay float32,
+as transformers leaves them with ``llm_int8_skip_modules=["pre_classifier", "classifier"]``
+(``qlora.DISTILBERT_SKIP``). A transformers checkpoint saved without that list (transformers
+5.24 then quantizes the head as well) loads with its head in 4 bits, as stored.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..formats.bnb4bit import quantization_config, split_bnb4bit
+from ..formats.checkpoint import check_tensors
+from ..formats.hf_checkpoint import find_weights, read_hf_weights
+from ..formats.tensor_files import CheckpointError
+from ..models import distilbert as _db
+from .qlora import DISTILBERT_SKIP, quant_config, quantize_while_loading
+
+
+def _check_states(wpath, states: dict, shapes: dict) -> None:
+    for name, st in states.items():
+        if name not in shapes or tuple(st.shape) != tuple(shapes[name]):
+            raise CheckpointError(f"{wpath}: {name}: a 4-bit weight of shape {list(st.shape)}, the model "
+                                  f"expects {list(shapes.get(name, ())) or 'no such weight'}")
+
+
+def _prequantized(path, num_labels, head_seed):
+    """``(cfg, states, tensors, has_head)`` of a bitsandbytes 4-bit DistilBERT checkpoint (an MLM
+    checkpoint's head, quantized or not, is dropped by name; a missing classification head is
+    drawn from ``head_seed``)."""
+    wpath = find_weights(path)
+    cfg_json = wpath.parent / "config.json"
+    if not cfg_json.is_file():
+        raise CheckpointError(f"{wpath}: no config.json beside it")
+    cfg = _db.DistilBertConfig.from_hf_json(cfg_json, num_labels)
+    raw = read_hf_weights(wpath)
+    states = split_bnb4bit(raw, wpath)
+    mlm = [k for k in _db.MLM_HEAD_KEYS if k in raw or k in states]
+    for k in mlm:
+        raw.pop(k, None)
+        states.pop(k, None)
+    has_head = any(k in raw or k in states for k in _db.HEAD_KEYS)
+    if mlm and has_head:
+        raise CheckpointError(f"{wpath}: holds both an MLM head {mlm} and a classification head")
+    if not has_head:
+        raw.update(_db.init_head(cfg, head_seed))
+    shapes = _db.base_shapes(cfg)
+    _check_states(wpath, states, shapes)
+    check_tensors(wpath, raw, {k: v for k, v in shapes.items() if k not in states})
+    return cfg, states, raw, wpath
+
+
+def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", double_quant: bool = True,
+                         compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True,
+                         num_labels: int | None = None, head_seed: int = 0):
+    """``(cfg, states, tensors, qcfg)`` of a DistilBERT classifier's QLoRA base: ``states`` the NF4
+    weights by name, ``tensors`` the rest (memory maps of a float32 ``.safetensors`` file as
+    they are; a checkpoint without a classification head gets ``init_head(cfg, head_seed)``).
+    A bitsandbytes 4-bit checkpoint is read as it is (``explicit``: the quantization options
+    were given and must match it); otherwise ``quantize="nf4"`` quantizes while loading.
+
+    Raises:
+        ValueError: another quantization method or type, a block size bitsandbytes does not
+            allow, quantization options a pre-quantized checkpoint contradicts.
+        CheckpointError: a damaged quant state (names the tensor and the file), missing or
+            misshapen tensors.
+    """
+    from .checkpoint4bit import _prequantized_config
+
+    qc = quantization_config(path)
+    if qc is None:
+        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
+        if qcfg is None:
+            raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
+        cfg, tensors, has_head = _db.load_distilbert_checkpoint(path, num_labels=num_labels)
+        if not has_head:
+            tensors.update(_db.init_head(cfg, head_seed))
+        return cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
+    cfg, states, tensors, _ = _prequantized(path, num_labels, head_seed)
+    qcfg = _prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    return cfg, states, tensors, qcfg
+
+
+def build_4bit_classifier(model_cls, empty_model, to_4bit, load_adapter, path, adapter=None,
+                          num_labels: int | None = None, head_seed: int = 0, quantize=None, double_quant: bool = True,
+                          compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True):
+    """The backends' 4-bit ``distilbert_from_pretrained``: ``load_distilbert_4bit``, the model
+    from the backend's ``empty_model(model_cls, cfg)``, its quantized layers made 4-bit
+    (``to_4bit(model, states, qcfg)``), the other weights (strict), then the adapter folder."""
+    cfg, states, tensors, qcfg = load_distilbert_4bit(path, quantize, double_quant, compute_dtype, blocksize, explicit,
+                                                      num_labels, head_seed)
+    model = empty_model(model_cls, cfg)
+    to_4bit(model, states, qcfg)
+    del states
+    model.load_weights(tensors)
+    del tensors  # the maps: nothing of the file stays referenced
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return model
+
+
+def skip_modules(cfg) -> list[str] | None:
+    """``llm_int8_skip_modules`` of a saved 4-bit checkpoint of ``cfg``'s family (None: transformers'
+    default, which already keeps the LM heads of GPT-2 and the Llama family unquantized)."""
+    return list(DISTILBERT_SKIP) if isinstance(cfg, _db.DistilBertConfig) else None
+
+
+__all__ = ["build_4bit_classifier", "load_distilbert_4bit", "skip_modules"]
