@@ -73,8 +73,9 @@ class LoRALinear(nn.Module):
         return self.lora_dropout(x)
 
     def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
-        after_a = nn.matmul_transpose(self._drop(x), self.lora_A)
-        return base + nn.matmul_transpose(after_a, self.lora_B) * self.scaling
+        # torch's order (its addmm): the scaling on the rank-r product, then the sum
+        after_a = nn.matmul_transpose(self._drop(x), self.lora_A) * self.scaling
+        return base + nn.matmul_transpose(after_a, self.lora_B)
 
     def execute(self, x: jt.Var) -> jt.Var:
         if self.decode_weight is not None:
