@@ -39,7 +39,10 @@ worker (load, warm-up and all timed steps); ``anon MB``, the run's own memory, i
 allocated, not the pages of a memory-mapped checkpoint (transformers keeps a safetensors base
 mapped; ours-torch's Llama loader does too), which RSS counts and the page cache shares;
 ``Private_Clean + Private_Dirty`` (private file pages included) is sampled too and kept in
-the JSON as ``peak_private_mb``.
+the JSON as ``peak_private_mb``. The JSON also keeps both at the baseline (framework imported,
+no model: ``baseline_*``), once the model is built (``loaded_*``, with the peak of loading) and
+the anonymous peak so far after each update (``peak_anon_after_step_mb``: when the peak is
+reached). ``--layers`` and ``--vocab`` override the preset's.
 
 Decoding: ``--batch`` prompts of 32 random tokens, greedy for ``--new-tokens`` tokens with a
 KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: ``generate``
@@ -132,14 +135,18 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     baseline = mem.now()  # the framework imported, no model yet
     method = spec.get("method", "lora")
     system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method)
+    mem.sample()
+    loaded = {**mem.now(), "peak_private_mb": mem.private, "peak_anon_mb": mem.anon}  # the model built
     if compile_:
         system.bk.set_compile(system.model, True, compile_)
     batches = [system.prepare(r) for r in rows]
-    times, losses = [], []
+    times, losses, step_anon = [], [], []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
         losses.append(system.train_step(batch))
         times.append(time.perf_counter() - t0)
+        mem.sample()
+        step_anon.append(mem.anon)  # the peak so far: when it is reached
         log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i < warm else 'timed'}): {times[-1]:.3f} s")
     step_s = statistics.median(times[warm:])
     parts = {k: v / 2**20 for k, v in system.memory_parts().items()}
@@ -147,7 +154,8 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     parts["activations"] = peaks["peak_private_mb"] - baseline["private_mb"] - sum(parts.values())
     return {"train_tok_s": spec["batch"] * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
             "loss": losses, **{"train_" + k: v for k, v in peaks.items()}, "method": method,
-            "baseline_private_mb": baseline["private_mb"], "parts_mb": parts,
+            "baseline_private_mb": baseline["private_mb"], "baseline_anon_mb": baseline["anon_mb"],
+            **{"loaded_" + k: v for k, v in loaded.items()}, "peak_anon_after_step_mb": step_anon, "parts_mb": parts,
             "attn_implementation": getattr(system, "attn_implementation", None)}  # fmt: skip
 
 
@@ -178,7 +186,8 @@ def run_worker(spec: dict) -> dict:
 
 
 def _shape(spec: dict):
-    return llama_config(spec["shape"], **({"num_hidden_layers": spec["layers"]} if spec.get("layers") else {}))
+    over = {"num_hidden_layers": spec.get("layers"), "vocab_size": spec.get("vocab")}
+    return llama_config(spec["shape"], **{k: v for k, v in over.items() if v})
 
 
 # ----------------------------------------------------------------------------- parent
@@ -275,7 +284,7 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                 result = {}
                 for task in ("train", "decode") if method == "lora" else ("train",):
                     spec = {"task": task, "system": system, "method": method, "shape": args.shape,
-                            "layers": args.layers, "batch": args.batch, "block": args.block, "steps": args.steps,
+                            "layers": args.layers, "vocab": args.vocab, "batch": args.batch, "block": args.block, "steps": args.steps,
                             "new_tokens": args.new_tokens, "threads": args.threads, "compile": args.compile,
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
@@ -389,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.lm.bench", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama-bench", choices=sorted(PRESETS), help="a preset of lora_core.models.llama")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--batch", type=int, default=2, help="rows per training batch (and prompts decoded together)")
     p.add_argument("--block", type=int, default=256, help="tokens per training row (packed, no padding)")
     p.add_argument("--steps", type=int, default=5, help="timed training updates, after 1 warm-up")
@@ -409,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         args.methods = _names(args.methods, METHODS, "--methods")
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
-    if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1) < 1:
-        p.error("--layers, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
+    if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1,
+           args.vocab or 1) < 1:
+        p.error("--layers, --vocab, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
     cfg = _shape(vars(args))
     if max(args.block, PROMPT_LEN + args.new_tokens) > cfg.max_position_embeddings:
         p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {cfg.max_position_embeddings} positions")
