@@ -76,7 +76,7 @@ def _set_child(parent: nn.Module, child: str, new: nn.Module) -> None:
 
 def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, values, dropout: float) -> None:
     if isinstance(old, LoRALinear4bit):  # a QLoRA base layer keeps its 4-bit weight: LoRA goes on in place
-        old.add_lora(plan.r, plan.scaling, dropout, values)
+        old.add_lora(plan.r, plan.scaling, dropout, values, plan.enable)
         return
     bias = getattr(old, "bias", None) is not None
     if plan.kind == "embedding":

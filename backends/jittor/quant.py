@@ -13,7 +13,7 @@ from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
 from lora_core.quant.qlora import module_of
 
 from ._lean_layers import frozen_matmul_t
-from .lora import LoRALinear
+from .lora import LoRALinear, LoRAMergedLinear
 
 _SRC = """
     const long n = out0_shape0 * out0_shape1, bs = {bs}, nbs = {nbs}, nested = {nested};
@@ -48,6 +48,7 @@ class LoRALinear4bit(LoRALinear):
         self.out_features, self.in_features = state.shape
         self.r, self.scaling, self.p, self.merged = 0, 0.0, 0.0, False
         self.lora_dropout, self.mask_source, self.decode_weight = nn.Identity(), None, None
+        self.enable_lora, self.enabled = None, []  # per-slice LoRA on a fused projection (add_lora)
         self.bias = bias
         self.shape, self.blocksize, self.nested_blocksize = tuple(state.shape), state.blocksize, state.nested_blocksize
         self.quant_dtype, self.compute_dtype_name = state.dtype, compute_dtype  # written back on saving
@@ -68,12 +69,24 @@ class LoRALinear4bit(LoRALinear):
         w = dequantize(self).stop_grad()
         return w if self.compute_dtype == "float32" else w.cast("bfloat16").cast("float32")
 
-    def add_lora(self, r: int, scaling: float, dropout: float, values) -> None:
-        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer."""
+    def add_lora(self, r: int, scaling: float, dropout: float, values, enable=None) -> None:
+        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer; ``enable``: one
+        pair per enabled slice of a fused projection (see the torch backend)."""
+        self.enable_lora = None if enable is None else tuple(enable)
+        self.enabled = [i for i, on in enumerate(self.enable_lora or ()) if on]
         self.r, self.scaling, self.p = r, scaling, dropout
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = jt.array(np.ascontiguousarray(values[0], np.float32))
         self.lora_B = jt.array(np.ascontiguousarray(values[1], np.float32))
+
+    def _slice_out(self) -> int:
+        return self.out_features // len(self.enable_lora) if self.enable_lora else self.out_features
+
+    def _lora_out(self, x: jt.Var, base: jt.Var) -> jt.Var:
+        return (LoRAMergedLinear if self.enable_lora else LoRALinear)._lora_out(self, x, base)
+
+    def delta_weight(self) -> jt.Var:
+        return (LoRAMergedLinear if self.enable_lora else LoRALinear).delta_weight(self)
 
     def execute(self, x: jt.Var) -> jt.Var:
         y = frozen_matmul_t(x, self.dequantized())

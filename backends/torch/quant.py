@@ -13,7 +13,7 @@ from torch import nn
 from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
 from lora_core.quant.qlora import module_of
 
-from .lora import LoRALinear
+from .lora import LoRALinear, LoRAMergedLinear
 
 _NF4 = torch.from_numpy(NF4_CODE)
 _DYN = torch.from_numpy(dynamic_map())
@@ -80,6 +80,7 @@ class LoRALinear4bit(LoRALinear):
         self.out_features, self.in_features = state.shape
         self.r, self.scaling, self.p, self.merged = 0, 0.0, 0.0, False
         self.lora_dropout, self.mask_source, self.decode_weight = nn.Identity(), None, None
+        self.enable_lora, self.enabled = None, []  # per-slice LoRA on a fused projection (add_lora)
         self.bias = bias
         self.shape, self.blocksize, self.nested_blocksize = tuple(state.shape), state.blocksize, state.nested_blocksize
         self.quant_dtype, self.compute_dtype_name = state.dtype, compute_dtype  # written back on saving
@@ -102,12 +103,25 @@ class LoRALinear4bit(LoRALinear):
                            self.nested_blocksize)
         return w.to(self.compute_dtype).to(dtype)
 
-    def add_lora(self, r: int, scaling: float, dropout: float, values) -> None:
-        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer."""
+    def add_lora(self, r: int, scaling: float, dropout: float, values, enable=None) -> None:
+        """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer; with ``enable``
+        (per-slice flags of a fused projection, GPT-2's ``c_attn``) one pair per enabled slice
+        in ``LoRAMergedLinear``'s layout: ``A`` (k*r, in), ``B`` (k*out/n, r)."""
+        self.enable_lora = None if enable is None else tuple(enable)
+        self.enabled = [i for i, on in enumerate(self.enable_lora or ()) if on]
         self.r, self.scaling, self.p = r, scaling, dropout
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values[0], np.float32)))
         self.lora_B = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values[1], np.float32)))
+
+    def _slice_out(self) -> int:
+        return self.out_features // len(self.enable_lora) if self.enable_lora else self.out_features
+
+    def _lora_out(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        return (LoRAMergedLinear if self.enable_lora else LoRALinear)._lora_out(self, x, base)
+
+    def delta_weight(self) -> torch.Tensor:
+        return (LoRAMergedLinear if self.enable_lora else LoRALinear).delta_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Matmul4bit.apply(x, self)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.bnb4bit import quantization_config, split_bnb4bit, write_bnb4bit_checkpoint
-from ..formats.checkpoint import check_tensors, load_gpt2_checkpoint
+from ..formats.checkpoint import check_tensors, resolve_pretrained
 from ..formats.hf_checkpoint import find_weights, read_hf_weights
 from ..formats.tensor_files import CheckpointError
 from ..models import gpt2 as _gpt2
@@ -42,6 +42,14 @@ def _prequantized_config(path, qc: dict, states: dict, quantize, double_quant, c
                          f"double_quant {saved.double_quant}) is loaded as it is; quantize={quantize!r}, "
                          f"blocksize={blocksize}, double_quant={double_quant} do not match it")
     return saved
+
+
+def _gpt2_full_precision(path):
+    """GPT-2's canonical base tensors from HF/OpenAI files or a ``save_model`` folder (whose
+    weights are stored (out, in) already; LoRA tensors saved with it are left out)."""
+    cfg, _, tensors = resolve_pretrained(path)
+    names = _gpt2.base_shapes(cfg)
+    return cfg, {k: v for k, v in tensors.items() if k in names}
 
 
 def _llama_raw(wpath: Path, cfg_json: Path):
@@ -91,7 +99,7 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
         qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
         if qcfg is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
-        cfg, tensors = (_llama.load_llama_checkpoint(path) if family == "llama" else load_gpt2_checkpoint(path))
+        cfg, tensors = (_llama.load_llama_checkpoint(path) if family == "llama" else _gpt2_full_precision(path))
         return family, cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
     wpath = find_weights(path)
     cfg_json = wpath.parent / "config.json"
