@@ -15,6 +15,7 @@ seeded classification head), injects LoRA as the recipe says, and trains with
     python -m examples.cls.train ... --set train.lr=5e-4 lora.r=8                # overrides
     python -m examples.cls.train ... --method full    # every weight; ckpt-N/ is a transformers checkpoint
     python -m examples.cls.train ... --device cuda --precision bf16             # on a GPU
+    python -m examples.cls.train ... --grad-checkpoint    # recompute each layer in the backward pass
     torchrun --nproc_per_node 2 -m examples.cls.train --backend torch ...      # data parallel
     mpirun -np 2 python -m examples.cls.train --backend jittor ...
 """
@@ -28,15 +29,14 @@ from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import check_data_file
-from lora_core.device import DEVICE_CHOICES
 from lora_core.train.distributed import run_job
 from lora_core.train.full_ft import check_full_ft_input
-from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import CLS_RECIPES, apply_overrides
 from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
+from ..run_options import add_run_options, apply_run_options
 from .evaluate import write_predictions
 from .prepare import read_prepared
 
@@ -74,16 +74,19 @@ def run(
     comm=None,
     kill_after: int | None = None,
     device: str = "cpu",
+    grad_checkpoint: bool = False,
 ) -> dict:
     """Train, then predict dev and test; returns the trainer's summary and the metrics.
-    ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (it changes no result: not part of the
-    run's configuration, so a resume may change it). Bad input (the run folder, the prepared
+    ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``grad_checkpoint``: recompute each
+    encoder layer in the backward pass (neither changes a result: not part of the run's
+    configuration, so a resume may change them). Bad input (the run folder, the prepared
     splits) is refused before the model is loaded."""
     check_out_dir(out_dir, resume=resume or resume_from is not None)
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
     backend = lora_core.get_backend(backend_name)
     model = build(backend, base, recipe)
     backend.to_device(model, device)
+    backend.set_grad_checkpoint(model, grad_checkpoint)
     summary = train(
         backend,
         model,
@@ -112,32 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.cls.prepare")
     p.add_argument("--base", required=True, type=Path, help="HF DistilBERT folder (config.json + weights)")
     p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
-    p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
-    p.add_argument("--method", choices=("lora", "full"),
-                   help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
-    p.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
-    p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
-    p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
-    resume = p.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true", help="continue from OUT/latest")
-    resume.add_argument("--resume-from", type=Path, help="continue from this OUT/ckpt-N (after a damaged latest)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
-    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+    add_run_options(p, set_help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
     args = p.parse_args(argv)
 
     def body(job) -> str:
         recipe = apply_overrides(CLS_RECIPES[args.recipe], args.overrides)
-        if args.max_steps is not None:
-            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=args.max_steps))
-        if args.precision is not None:
-            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision=args.precision))
-        if args.method is not None:
-            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, method=args.method))
-        if args.zero is not None:
-            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, zero=args.zero))
+        recipe = dataclasses.replace(recipe, train=apply_run_options(recipe.train, args))
         if recipe.train.method == "full":
             check_full_ft_input("--base", args.base, args.overrides)
         backend = lora_core.get_backend(args.backend)
@@ -154,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             comm=comm,
             kill_after=args.stop_after,
             device=args.device,
+            grad_checkpoint=args.grad_checkpoint,
         )
         metrics = summary.pop("metrics", {})
         summary.update({k: v for k, v in metrics.items() if k.endswith(("_accuracy", "_n"))})

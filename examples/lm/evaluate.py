@@ -4,9 +4,11 @@
     python -m examples.lm.evaluate --backend torch --base Llama-3.2-3B/ \\
         --adapter runs/wt2-llama/latest --prepared out/wikitext2-llama
     python -m examples.lm.evaluate --base runs/lm-demo/base --prepared out/lm-demo   # no adapter
+    python -m examples.lm.evaluate ... --adapter runs/qlora --quantize nf4   # on the 4-bit base it trained on
 
 ``--adapter`` takes a checkpoint folder of ``examples.lm.train`` (``OUT/ckpt-N`` or
-``OUT/latest``) or a peft adapter folder. Prints (and with ``--json`` writes) the mean NLL per
+``OUT/latest``) or a peft adapter folder; an adapter trained with ``--quantize`` is evaluated
+on the same 4-bit base with the same ``--quantize`` options. Prints (and with ``--json`` writes) the mean NLL per
 predicted token, the perplexity and the token count.
 """
 
@@ -22,17 +24,19 @@ from lora_core.data.nlg import write_text_atomic
 from lora_core.train.run_dir import find_checkpoint
 from lora_core.train.tasks import LMTask
 
+from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
 from .train import check_fits, read_prepared
 
 
 def evaluate(backend_name: str | None, base: Path, adapter: Path | None, prepared: Path, split: str = "valid",
-             batch_size: int = 4, device: str = "auto") -> dict:
-    """``{"nll", "ppl", "tokens"}`` of ``split`` (``valid`` or ``train``)."""
+             batch_size: int = 4, device: str = "auto", quant: dict | None = None) -> dict:
+    """``{"nll", "ppl", "tokens"}`` of ``split`` (``valid`` or ``train``); ``quant``: the
+    backends' ``from_pretrained`` arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     train_blocks, valid_blocks, meta = read_prepared(prepared)
     if adapter is not None and (adapter / "latest").exists():
         adapter = find_checkpoint(adapter)  # a run folder: its latest checkpoint
-    model = backend.from_pretrained(base, adapter=adapter)
+    model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     blocks = valid_blocks if split == "valid" else train_blocks
     check_fits(model, meta, blocks, prepared)
     backend.to_device(model, device)
@@ -52,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", type=Path, help="also write the result here")
+    add_quantize_options(p)
     args = p.parse_args(argv)
     try:
-        res = evaluate(args.backend, args.base, args.adapter, args.prepared, args.split, args.batch_size, args.device)
+        check_quantize(args)
+        res = evaluate(args.backend, args.base, args.adapter, args.prepared, args.split, args.batch_size, args.device,
+                       quantize_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

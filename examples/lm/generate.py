@@ -4,6 +4,7 @@ KV cache, in either backend::
     python -m examples.lm.generate --backend jittor --base Llama-3.2-3B/ --adapter runs/wt2-llama \\
         --tokenizer Llama-3.2-3B/ --prompt "The history of" --max-new-tokens 40
     python -m examples.lm.generate ... --beam 4 --prompts-file prompts.txt   # one prompt a line
+    python -m examples.lm.generate ... --adapter runs/qlora --quantize nf4    # a QLoRA adapter on its 4-bit base
 
 Generation stops at the tokenizer's end-of-text token or after ``--max-new-tokens``.
 """
@@ -19,15 +20,18 @@ from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer
 from lora_core.generate.beam import BeamConfig
 from lora_core.train.run_dir import find_checkpoint
 
+from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
+
 
 def generate(backend_name: str | None, base: Path, adapter: Path | None, tokenizer: Path, prompts: list[str],
-             max_new_tokens: int = 40, beam: int = 1, device: str = "auto") -> list[str]:
-    """The continuation of each prompt (text)."""
+             max_new_tokens: int = 40, beam: int = 1, device: str = "auto", quant: dict | None = None) -> list[str]:
+    """The continuation of each prompt (text); ``quant``: the backends' ``from_pretrained``
+    arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     tok = load_text_tokenizer(tokenizer)
     if adapter is not None and (adapter / "latest").exists():
         adapter = find_checkpoint(adapter)
-    model = backend.from_pretrained(base, adapter=adapter)
+    model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
     backend.to_device(model, device)
     contexts = [tok.encode(p) for p in prompts]
@@ -51,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--beam", type=int, default=1, help="1: greedy")
     p.add_argument("--device", default="auto")
+    add_quantize_options(p)
     args = p.parse_args(argv)
     try:
+        check_quantize(args)
         prompts = args.prompt or [ln for ln in args.prompts_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
         outs = generate(args.backend, args.base, args.adapter, args.tokenizer, prompts, args.max_new_tokens, args.beam,
-                        args.device)
+                        args.device, quantize_kwargs(args))
     except (ValueError, OSError, UnicodeDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,10 +13,16 @@ the recipe's LoRA (peft semantics, ``lora_core.train.recipes.LM_RECIPES``) and t
     python -m examples.lm.train ... --out-dir runs/wt2-llama --resume             # after a kill
     python -m examples.lm.train ... --set train.lr=1e-4 lora.r=16 lora.target_modules=q_proj,v_proj
     python -m examples.lm.train ... --method full   # every weight; ckpt-N/ is a transformers checkpoint
+    python -m examples.lm.train ... --quantize nf4  # QLoRA: the recipe's LoRA on a 4-bit NF4 base
     python -m examples.lm.train --recipe lm-demo --prepared out/lm-demo --random-init tiny-llama \\
         --vocab-size 512 --save-base --out-dir runs/lm-demo
     torchrun --nproc_per_node 2 -m examples.lm.train --backend torch ...     # data parallel
     mpirun -np 2 python -m examples.lm.train --backend jittor ...
+
+``--quantize nf4`` (``--no-double-quant``, ``--compute-dtype``; ``examples.run_options``) loads the
+base with its projections stored as NF4 (a ``--random-init`` base is written to ``OUT/base`` and
+quantized as it loads from there); ``examples.lm.evaluate`` and ``examples.lm.generate`` take the
+same options for its adapter. Refused with ``--method full``; a resume must keep them.
 
 Refused before any training: a tokenizer (``meta.json``) with more tokens than the model's
 vocabulary, blocks longer than the model's positions, an adapter recipe whose targets match
@@ -26,24 +32,23 @@ no module.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import check_data_file, read_jsonl
 from lora_core.data.text import check_tokenizer_fits
-from lora_core.device import DEVICE_CHOICES
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
 from lora_core.formats.tensor_files import read_json
 from lora_core.models import llama as llama_spec
 from lora_core.train.distributed import run_job
 from lora_core.train.full_ft import check_full_ft_input
-from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import LM_RECIPES, apply_overrides
 from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import LMTask, max_positions
 from lora_core.train.trainer import train
+
+from ..run_options import add_run_options, apply_run_options, quantize_kwargs, with_quantize_note
 
 RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
 
@@ -68,25 +73,32 @@ def read_prepared(prepared: Path) -> tuple[list[dict], list[dict], dict]:
     return out[0], out[1], meta
 
 
-def build(backend, args):
-    """The base model and a note of where it came from."""
+def build(backend, args, comm):
+    """The base model (4-bit with ``--quantize``) and a note of where it came from."""
+    quant = quantize_kwargs(args)
     if args.init_checkpoint:
-        return backend.from_pretrained(args.init_checkpoint), str(args.init_checkpoint)
+        return backend.from_pretrained(args.init_checkpoint, **quant), with_quantize_note(str(args.init_checkpoint), args)
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    base_dir = Path(args.out_dir) / "base"
     if args.random_init in llama_spec.PRESETS:
         cfg = llama_spec.llama_config(args.random_init, **overrides)
         weights = llama_spec.init_llama_weights(cfg, args.init_seed)
-        model = backend.LlamaForCausalLM(cfg)
-        model.load_weights(weights)
-        if args.save_base:
-            write_hf_checkpoint(Path(args.out_dir) / "base", cfg.to_hf_dict(), weights)
+        if args.save_base or quant:  # a 4-bit base is quantized while it loads from OUT/base
+            comm.on_main(write_hf_checkpoint, base_dir, cfg.to_hf_dict(), weights)
+        if not quant:
+            model = backend.LlamaForCausalLM(cfg)
+            model.load_weights(weights)
     else:
         cfg = lora_core.gpt2_config(args.random_init, **overrides)
         weights = lora_core.init_gpt2_weights(cfg, args.init_seed)
-        model = backend.build_model(cfg, None, base=weights)
-        if args.save_base:
-            lora_core.save_model(Path(args.out_dir) / "base", cfg, weights)
-    return model, f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
+        if args.save_base or quant:
+            comm.on_main(lora_core.save_model, base_dir, cfg, weights)
+        if not quant:
+            model = backend.build_model(cfg, None, base=weights)
+    if quant:
+        model = backend.from_pretrained(base_dir, **quant)
+    note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
+    return model, with_quantize_note(note, args)
 
 
 def check_fits(model, meta: dict, blocks: list[dict], prepared: Path) -> None:
@@ -112,21 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, help="vocabulary size of a --random-init model")
     p.add_argument("--save-base", action="store_true", help="write the --random-init base to OUT/base")
     p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
-    p.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
-    p.add_argument("--method", choices=("lora", "full"),
-                   help="lora: inject and train the recipe's LoRA; full: every weight (default: the recipe's)")
-    p.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
-    p.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
-    p.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
-    p.add_argument("--grad-checkpoint", action="store_true", help="recompute each layer in the backward pass")
-    resume = p.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true", help="continue from OUT/latest")
-    resume.add_argument("--resume-from", type=Path, help="continue from this OUT/ckpt-N (after a damaged latest)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
-    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+    add_run_options(p, set_help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)",
+                    quantize=True)
     args = p.parse_args(argv)
     if args.vocab_size and not args.random_init:
         p.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
@@ -134,19 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     def body(job) -> str:
         check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
         recipe = apply_overrides(LM_RECIPES[args.recipe], args.overrides)
-        cfg = recipe.train if args.method is None else dataclasses.replace(recipe.train, method=args.method)
+        cfg = apply_run_options(recipe.train, args)
         if cfg.method == "full":
             check_full_ft_input("--init-checkpoint", args.init_checkpoint, args.overrides)
-        if args.max_steps is not None:
-            cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
-        if args.precision is not None:
-            cfg = dataclasses.replace(cfg, precision=args.precision)
-        if args.zero is not None:
-            cfg = dataclasses.replace(cfg, zero=args.zero)
         train_blocks, valid_blocks, meta = read_prepared(args.prepared)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
-        model, note = build(backend, args)
+        model, note = build(backend, args, comm)
         check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
         if cfg.method == "lora":
             backend.inject_lora(model, recipe.lora)

@@ -6,7 +6,9 @@
 
 Writes one JSON line per unique context, in ``group_references`` order:
 ``{"index": k, "tokens": [...]}`` (generated tokens), which ``examples.nlg.decode`` reads.
-The adapter is always loaded on top of its base (an adapter alone is an error).
+The adapter is always loaded on top of its base (an adapter alone is an error); an adapter
+trained with ``--quantize nf4`` (QLoRA) is decoded on the same 4-bit base with the same
+``--quantize`` options.
 
 Under ``torchrun --nproc_per_node N -m examples.nlg.beam ...`` or ``mpirun -np N python -m
 examples.nlg.beam ...`` each process decodes a contiguous share of whole batches and rank 0
@@ -28,6 +30,8 @@ from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.distributed import batch_shard, gather_outputs, run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
+
+from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
@@ -64,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                         "CUDA graph (torch; op by op on a CPU); eager: a growing cache; auto: captured on a GPU, "
                         "eager on the CPU (the same beams either way)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes")
+    add_quantize_options(p)
     a = p.parse_args(argv)
     def body(job) -> str:
+        check_quantize(a)
         backend = lora_core.get_backend(a.backend)
         comm = job.start(backend, a.dist_timeout)
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
-        model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False)
+        model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False, **quantize_kwargs(a))
         backend.to_device(model, a.device)
         backend.set_precision(model, a.precision)
         groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))

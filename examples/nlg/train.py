@@ -16,6 +16,7 @@ and writes the run folder described in ``lora_core.train.trainer``. Examples::
                                    # when --resume reports the latest checkpoint damaged
     python -m examples.nlg.train ... --device cuda --precision bf16 --grad-checkpoint   # on a GPU
     python -m examples.nlg.train ... --device cuda --compile        # torch: a compiled training step
+    python -m examples.nlg.train ... --quantize nf4     # QLoRA: q, v LoRA of c_attn on a 4-bit NF4 base
     torchrun --nproc_per_node 2 -m examples.nlg.train --backend torch ...    # data parallel
     mpirun -np 2 python -m examples.nlg.train --backend jittor ...          # (as root: --allow-run-as-root)
 
@@ -25,31 +26,36 @@ draws a base from ``lora_core.init_gpt2_weights(preset, --init-seed)`` (identica
 backends), and ``--save-base`` writes it to ``OUT/base`` for decoding later. With ``--method
 full`` each ``ckpt-N/`` is the whole model in transformers' GPT-2 layout (``lora_core.train.full_ft``),
 loadable as ``--init-checkpoint`` or by ``transformers.AutoModelForCausalLM.from_pretrained``.
+``--quantize nf4`` (``--no-double-quant``, ``--compute-dtype``; ``examples.run_options``) stores the
+frozen base's four linear layers of each block as NF4 (a ``--random-init`` base is written to
+``OUT/base`` and quantized as it loads from there) and injects the recipe's LoRA on them;
+``examples.nlg.beam`` takes the same options. Refused with ``--method full``; a resume must keep them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import check_data_file, read_encoded
-from lora_core.device import DEVICE_CHOICES
 from lora_core.formats.checkpoint import save_model
 from lora_core.train.distributed import run_job
 from lora_core.train.full_ft import check_full_ft_input
-from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.train.run_dir import check_out_dir
 from lora_core.train.trainer import train
 
+from ..run_options import add_run_options, apply_run_options, quantize_kwargs, with_quantize_note
+
 
 def build(backend, args, lora, comm):
-    """The model and a note of its base weights."""
+    """The model (its LoRA injected on a 4-bit base) and a note of its base weights."""
+    quant = quantize_kwargs(args)
     if args.init_checkpoint:
-        model = backend.from_pretrained(args.init_checkpoint, lora=lora)
+        model = backend.from_pretrained(args.init_checkpoint, **quant) if quant else \
+            backend.from_pretrained(args.init_checkpoint, lora=lora)
         want = lora_core.PRESETS.get(args.recipe_model)
         if want is not None and (model.config.n_embd, model.config.n_layer) != (want.n_embd, want.n_layer):
             print(
@@ -57,14 +63,19 @@ def build(backend, args, lora, comm):
                 f"{model.config.n_embd}, n_layer={model.config.n_layer}",
                 file=sys.stderr,
             )
-        return model, str(args.init_checkpoint)
-    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
-    cfg = lora_core.gpt2_config(args.random_init, **overrides)
-    base = lora_core.init_gpt2_weights(cfg, args.init_seed)
-    if args.save_base:
-        comm.on_main(save_model, Path(args.out_dir) / "base", cfg, base)
-    note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
-    return backend.build_model(cfg, lora, base=base), note
+        note = str(args.init_checkpoint)
+    else:
+        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        cfg = lora_core.gpt2_config(args.random_init, **overrides)
+        base = lora_core.init_gpt2_weights(cfg, args.init_seed)
+        if args.save_base or quant:  # a 4-bit base is quantized while it loads from OUT/base
+            comm.on_main(save_model, Path(args.out_dir) / "base", cfg, base)
+        note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
+        model = backend.from_pretrained(Path(args.out_dir) / "base", **quant) if quant else \
+            backend.build_model(cfg, lora, base=base)
+    if quant and lora is not None:  # a 4-bit base takes LoRA by injection (the same q, v slices of c_attn)
+        backend.inject_lora(model, lora)
+    return model, with_quantize_note(note, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,34 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, help="vocabulary size of a --random-init model")
     parser.add_argument("--save-base", action="store_true", help="write the --random-init base to OUT/base")
     parser.add_argument("--out-dir", required=True, type=Path)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint"
-    )
-    parser.add_argument(
-        "--resume-from",
-        type=Path,
-        metavar="CKPT",
-        help="continue the run in --out-dir from this ckpt-N folder of it (e.g. the intact one "
-        "--resume names when the latest checkpoint is damaged)",
-    )
-    parser.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
-    parser.add_argument("--method", choices=("lora", "full"),
-                        help="lora: train the adapter; full: every weight (default: the recipe's)")
-    parser.add_argument("--zero", type=int, choices=(0, 2, 3), help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), 3 (parameters too; torch)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override recipe settings, e.g. --set lr=1e-3 eval_every=500 (keys of TrainConfig)",
-    )
-    parser.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
-    parser.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
-    parser.add_argument(
-        "--grad-checkpoint", action="store_true", help="recompute each block in the backward pass (less memory)"
-    )
+    add_run_options(parser, set_help="override recipe settings, e.g. --set lr=1e-3 eval_every=500 (keys of "
+                    "TrainConfig)", quantize=True, exclusive_resume=False)
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -117,11 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch backend: compile the training step (torch.compile over padded shape buckets; default "
         "inductor, aot_eager compiles faster)",
     )
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument(
-        "--dist-timeout", type=float, default=300.0, help="seconds to wait for the other processes (torchrun jobs)"
-    )
-    parser.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
     return parser
 
 
@@ -134,22 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     def body(job) -> str:
         # bad input is refused before any work: the run folder, then the data (read whole, strictly)
         check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
-        overrides = [kv for group in args.overrides for kv in group]
         recipe = get_recipe(args.recipe)
-        if (args.method or apply_overrides(recipe.train, overrides).method) == "full":
-            check_full_ft_input("--init-checkpoint", args.init_checkpoint, overrides)
+        cfg = apply_run_options(apply_overrides(recipe.train, args.overrides), args)
+        if cfg.method == "full":
+            check_full_ft_input("--init-checkpoint", args.init_checkpoint, args.overrides)
         train_data = read_encoded(check_data_file(args.train, "--train"))
         valid_data = read_encoded(check_data_file(args.valid, "--valid")) if args.valid else None
         args.recipe_model = recipe.model
-        cfg = apply_overrides(recipe.train, overrides)
-        if args.method is not None:
-            cfg = dataclasses.replace(cfg, method=args.method)
-        if args.max_steps is not None:
-            cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
-        if args.precision is not None:
-            cfg = dataclasses.replace(cfg, precision=args.precision)
-        if args.zero is not None:
-            cfg = dataclasses.replace(cfg, zero=args.zero)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, cfg.lora_config() if cfg.method == "lora" else None, comm)

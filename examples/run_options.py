@@ -1,0 +1,119 @@
+"""The options the train commands share (``examples.nlg.train``, ``examples.cls.train``,
+``examples.lm.train``): how long and how to train, where, resuming, and a QLoRA base
+(``--quantize nf4``), with how they change a recipe's ``TrainConfig``.
+
+Each command adds its own options (data, base, recipe) and then ``add_run_options``; after
+parsing, ``apply_run_options`` turns ``--method``, ``--max-steps``, ``--precision`` and
+``--zero`` into the run's ``TrainConfig`` and refuses quantization options that do not fit it.
+``--device``, ``--grad-checkpoint`` and the 4-bit base's settings change no update rule: they
+are not part of ``TrainConfig`` (the base's quantization goes into the run's base note, which a
+resume must match)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from lora_core.device import DEVICE_CHOICES
+from lora_core.train.precision import PRECISIONS
+from lora_core.train.recipes import TrainConfig
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, set_help: str, grad_checkpoint: bool = True,
+                    quantize: bool = False, exclusive_resume: bool = True) -> None:
+    """Add the shared options to ``parser``.
+
+    Args:
+        set_help: what ``--set KEY=VALUE`` overrides (the keys differ per command). ``--set``
+            takes several pairs and may be repeated (``args.overrides``: one flat list).
+        grad_checkpoint: add ``--grad-checkpoint``.
+        quantize: add ``--quantize nf4``, ``--no-double-quant`` and ``--compute-dtype``.
+        exclusive_resume: ``--resume`` and ``--resume-from`` exclude each other (otherwise
+            both may be given: ``--resume-from`` implies ``--resume``).
+    """
+    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help=set_help)
+    parser.add_argument("--max-steps", type=int, help="total optimizer updates (the schedule ends there)")
+    parser.add_argument("--method", choices=("lora", "full"),
+                        help="lora: train the recipe's LoRA adapter; full: every weight (default: the recipe's)")
+    parser.add_argument("--zero", type=int, choices=(0, 2, 3),
+                        help="ZeRO stage over the processes: 0 (DDP), 2 (gradients and optimizer state sharded), "
+                             "3 (parameters too; torch)")  # fmt: skip
+    parser.add_argument("--device", default="auto", help=f"{DEVICE_CHOICES} (auto: the GPU when the backend has one)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="forward-pass precision (default: the recipe's, fp32)")
+    if grad_checkpoint:
+        parser.add_argument("--grad-checkpoint", action="store_true",
+                            help="recompute each block in the backward pass (less memory, the same results)")
+    if quantize:
+        add_quantize_options(parser)
+    resume = parser.add_mutually_exclusive_group() if exclusive_resume else parser
+    resume.add_argument("--resume", action="store_true", help="continue the run in --out-dir from OUT/latest")
+    resume.add_argument("--resume-from", type=Path, metavar="CKPT",
+                        help="continue the run in --out-dir from this OUT/ckpt-N (the intact one --resume names "
+                             "when the latest checkpoint is damaged)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--dist-timeout", type=float, default=300.0,
+                        help="seconds to wait for the other processes (jobs of several processes)")
+    parser.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # test hook: SIGKILL after update N
+
+
+def add_quantize_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--quantize nf4``, ``--no-double-quant`` and ``--compute-dtype`` (a QLoRA base; the
+    commands that load a base and an adapter take them too, to use the base it was trained on)."""
+    parser.add_argument("--quantize", choices=("nf4",),
+                        help="QLoRA: the frozen base's projections stored as NF4 and dequantized per product "
+                             "(a checkpoint is quantized while it loads)")
+    parser.add_argument("--no-double-quant", action="store_true",
+                        help="--quantize: keep the block scales in float32 (default: 8-bit, QLoRA's double "
+                             "quantization)")
+    parser.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
+                        help="--quantize: dtype of the 4-bit products (default float32)")
+
+
+def apply_run_options(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """``cfg`` with ``--method``, ``--max-steps``, ``--precision`` and ``--zero`` where given;
+    the quantization options are checked against the result (``check_quantize``).
+
+    Raises:
+        ValueError: a bad value (``TrainConfig``'s message) or quantization options that do not fit.
+    """
+    given = {k: getattr(args, k) for k in ("method", "max_steps", "precision", "zero") if getattr(args, k) is not None}
+    cfg = dataclasses.replace(cfg, **given) if given else cfg
+    check_quantize(args, cfg.method)
+    return cfg
+
+
+def check_quantize(args: argparse.Namespace, method: str = "lora") -> None:
+    """Refuse ``--quantize`` on a run without LoRA and the 4-bit options without ``--quantize``."""
+    quantize = getattr(args, "quantize", None)
+    if quantize is None:
+        stray = [o for o, given in (("--no-double-quant", getattr(args, "no_double_quant", False)),
+                                    ("--compute-dtype", getattr(args, "compute_dtype", None) is not None)) if given]
+        if stray:
+            verb = "apply" if len(stray) > 1 else "applies"
+            raise ValueError(f"{' and '.join(stray)} {verb} to a 4-bit base only: add --quantize nf4")
+    elif method == "full":
+        raise ValueError(f"--quantize {quantize} with method full: a 4-bit base is frozen, QLoRA trains a LoRA "
+                         f"adapter on it (use --method lora, or leave out --quantize)")
+
+
+def quantize_kwargs(args: argparse.Namespace) -> dict:
+    """The backends' ``from_pretrained`` arguments of a 4-bit base (empty without ``--quantize``)."""
+    if getattr(args, "quantize", None) is None:
+        return {}
+    return {"quantize": args.quantize, "double_quant": not args.no_double_quant,
+            "compute_dtype": args.compute_dtype or "float32"}
+
+
+def with_quantize_note(note: str, args: argparse.Namespace) -> str:
+    """``note`` of the base weights plus its 4-bit settings (``quantize=nf4 double_quant=True
+    compute_dtype=float32``): a resume with other settings differs in the run's ``base`` and is refused."""
+    extra = " ".join(f"{k}={v}" for k, v in quantize_kwargs(args).items())
+    return f"{note} {extra}" if extra else note
+
+
+__all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
+           "quantize_kwargs", "with_quantize_note"]
