@@ -84,6 +84,12 @@ def full_parameters(wrapper, write: bool = False):
     return contextlib.nullcontext()
 
 
+def evaluation(wrapper):
+    """Validation forwards: every parameter is whole on every rank, so each rank evaluates its
+    share of the batches (yields False)."""
+    return contextlib.nullcontext(False)
+
+
 def _all_gather_flat(local, start: int, total: int):
     """The flat vector of which this rank holds ``[start, start + len(local))``: zero-padded
     slices summed over ranks (exact)."""
@@ -196,5 +202,5 @@ def shutdown_process_group() -> None:
     """Nothing to leave: MPI is finalised by jittor at exit."""
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "full_parameters", "init_process_group", "parallel_adamw",
+__all__ = ["all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
            "parallel_train_step", "shutdown_process_group"]

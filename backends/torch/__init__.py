@@ -10,6 +10,7 @@ from .device import peak_gpu_mb, reset_peak_gpu, to_device
 from .distributed import (
     all_reduce_sum,
     data_parallel,
+    evaluation,
     full_parameters,
     init_process_group,
     parallel_adamw,
@@ -65,7 +66,7 @@ __all__ = [
     "build_model", "count_trainable", "eval_nll", "from_pretrained", "lm_loss", "lora_state_dict", "manual_seed",
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
     # data parallelism (backends/*/distributed.py)
-    "all_reduce_sum", "data_parallel", "full_parameters", "init_process_group", "parallel_adamw",
+    "all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
     "parallel_train_step", "shutdown_process_group",
     # device, precision, activation checkpointing, compiled step (device.py, precision.py, model.py, compile.py)
     "peak_gpu_mb", "reset_peak_gpu", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",

@@ -6,8 +6,9 @@ Contract (same in every backend): ``init_process_group(world, timeout_s)``;
 (``loss``: ``"lm"`` for ``lm_loss``, ``"cls"`` for ``cls_loss``; ``zero``: ZeRO stage 0, 2 or 3);
 ``parallel_adamw(wrapper, params, cfg) -> optimizer`` (built after ``data_parallel``: ZeRO
 replaces the parameters by their shards); ``full_parameters(wrapper, write=False)``, a context
-in which every parameter is whole on every rank (evaluation, saving; ``write``: values written
-inside are kept, for loading);
+in which every parameter is whole on every rank (saving; ``write``: values written
+inside are kept, for loading); ``evaluation(wrapper)``, a context for validation forwards that
+yields whether every rank must evaluate every batch (else each evaluates its share);
 ``parallel_train_step(wrapper, optimizer, micro_batches, weights, lr, label_smooth,
 max_grad_norm) -> dict`` (the ``loss`` it returns is this rank's weighted share: the sum over
 ranks is the global loss); ``shutdown_process_group()``.
@@ -161,21 +162,27 @@ def full_parameters(wrapper, write: bool = False):
 
 
 @contextlib.contextmanager
-def gathered_for_forward(wrapper):
-    """ZeRO: every FSDP unit all-gathered once and kept so inside (forwards inside, e.g. an
-    evaluation over batches that differ between ranks, then communicate nothing); else nothing."""
+def evaluation(wrapper):
+    """The validation forwards of a data-parallel run, without gradients; yields True when every
+    rank must evaluate every batch. ZeRO: FSDP2 gathers each block's shards as the block runs (a
+    collective, so the ranks must run the same forwards; ZeRO-3 keeps its per-rank memory bound);
+    the root unit, whose forward the evaluation does not call, is gathered here and every unit
+    is sharded again at the end, as between updates. Without ZeRO: nothing, each rank evaluates
+    its share of the batches."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in wrapper.modules() if isinstance(m, FSDPModule)] if getattr(wrapper, "zero", 0) else []
-    for u in units:
-        u.set_reshard_after_forward(False, recurse=False)
-        u.unshard()
+    if not getattr(wrapper, "zero", 0):
+        with torch.no_grad():
+            yield False
+        return
+    wrapper.unshard()
     try:
-        yield
+        with torch.no_grad():
+            yield True
     finally:
-        for u in units:
-            u.reshard()
-            u.set_reshard_after_forward(wrapper.zero == 3, recurse=False)
+        for u in wrapper.modules():
+            if isinstance(u, FSDPModule):
+                u.reshard()
 
 
 def parallel_train_step(
@@ -212,5 +219,5 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "full_parameters", "init_process_group", "parallel_adamw",
+__all__ = ["all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
            "parallel_train_step", "shutdown_process_group"]

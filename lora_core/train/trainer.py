@@ -293,10 +293,6 @@ class Trainer:
             raise ValueError("the validation set is empty: give valid_examples=None to train without validation")
         valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
         self.task.check(pairs + valid, model)
-        if valid and self.cfg.zero and self.dp is not None and be.NAME == "torch":
-            raise ValueError("validation during a torch ZeRO run (--zero 2/3) is not supported yet (FSDP2's "
-                             "gathered parameters break after a no-grad forward): train without --valid, "
-                             "evaluate the saved checkpoint")
         self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
@@ -426,7 +422,9 @@ class Trainer:
 
     def _evaluate(self, valid, per_epoch: int) -> dict:
         t0 = time.perf_counter()
-        res = self.task.evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg, self.comm)
+        with self.backend.evaluation(self.dp) if self.dp is not None else contextlib.nullcontext(False) as every:
+            comm = None if every else self.comm  # every rank runs every batch (torch ZeRO: FSDP gathers per block)
+            res = self.task.evaluate(self.backend, self.model, valid, self.cfg.eval_batch_size, self.cfg, comm)
         self._log(
             {
                 "kind": "eval",
