@@ -172,6 +172,7 @@ class Trainer:
                 "use dropout_masks='framework' with several processes"
             )
         self.dp, self.optimizer = None, None
+        self.files = self.task.adapter_files(backend, model, base_note)  # before ZeRO shards what it reads
         if self.comm.world.parallel:  # data_parallel may move the model to a GPU and shard it (ZeRO)
             self.dp = backend.data_parallel(model, self.task.loss, cfg.zero)
             self.optimizer = backend.parallel_adamw(self.dp, backend.trainable_parameters(model), cfg.adamw_config())
@@ -192,7 +193,7 @@ class Trainer:
         }
 
     def _adapter_files(self):
-        return self.task.adapter_files(self.backend, self.model, self.base_note)
+        return self.files
 
     def _prepare_dir(self, pairs, resume: bool, resume_from=None):
         """Rank 0: ready the folder; returns the checkpoint to resume from (read), or None."""
