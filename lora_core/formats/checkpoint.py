@@ -110,7 +110,7 @@ def infer_gpt2_config(tensors: dict[str, np.ndarray], path="checkpoint") -> GPT2
                       n_layer=n_layer, n_head=_HEADS_BY_WIDTH[E])
 
 
-def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None
+def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None, lazy: bool = False
                          ) -> tuple[GPT2Config, dict[str, np.ndarray]]:
     """Load HF/OpenAI GPT-2 weights into canonical names and (out, in) layout.
 
@@ -119,9 +119,13 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None
             ``pytorch_model.bin`` (and optionally HF ``config.json``).
         cfg: the expected architecture; default: ``config.json`` beside the weights,
             else inferred from the tensor shapes.
+        lazy: leave each tensor as the file gives it (a memory map of a ``.safetensors`` file,
+            the Conv1D weights as transposed views of it, any float dtype) for a consumer that
+            converts one tensor at a time (the 4-bit loader quantizes them so: the float32
+            copies of all the transposed weights are never held at once).
 
     Returns:
-        ``(cfg, tensors)`` with float32 arrays.
+        ``(cfg, tensors)`` with float32 arrays (``lazy``: arrays of the file's dtype).
     """
     path = Path(path)
     wpath = _find_weights(path)
@@ -137,12 +141,12 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None
             continue
         if name.endswith(TRANSPOSED):
             v = v.T
-        tensors[name] = np.ascontiguousarray(v, dtype=np.float32)
+        tensors[name] = v if lazy else np.ascontiguousarray(v, dtype=np.float32)
     if cfg is None:
         cfg_json = wpath.parent / MODEL_CONFIG
         cfg = GPT2Config.from_hf_json(str(cfg_json)) if cfg_json.is_file() else infer_gpt2_config(tensors, wpath)
     check_tensors(wpath, tensors, base_shapes(cfg))
-    if lm_head is not None and not np.array_equal(lm_head.astype(np.float32), tensors["wte.weight"]):
+    if lm_head is not None and not np.array_equal(lm_head, tensors["wte.weight"]):
         raise CheckpointError(f"{wpath}: lm_head.weight differs from wte.weight; GPT-2's LM head is tied")
     return cfg, tensors
 
@@ -242,10 +246,11 @@ def full_weights(cfg: GPT2Config, lora: LoRAConfig | None, base: dict[str, np.nd
 
 
 def resolve_pretrained(path: str | os.PathLike | None, lora: LoRAConfig | None = None,
-                       adapter: str | os.PathLike | None = None
+                       adapter: str | os.PathLike | None = None, lazy: bool = False
                        ) -> tuple[GPT2Config, LoRAConfig | None, dict[str, np.ndarray]]:
     """Weights for ``from_pretrained``: a GPT-2 checkpoint (HF/OpenAI files or ``save_model``
     output) plus an optional adapter folder, whose LoRA config then wins over ``lora``.
+    ``lazy``: HF/OpenAI tensors as ``load_gpt2_checkpoint(lazy=True)`` leaves them.
 
     Raises:
         CheckpointError: an adapter without a base path, or an adapter trained on a
@@ -265,7 +270,7 @@ def resolve_pretrained(path: str | os.PathLike | None, lora: LoRAConfig | None =
         if lora_w is not None and saved_lora != lora:
             lora_w = None
     else:
-        cfg, base = load_gpt2_checkpoint(p)
+        cfg, base = load_gpt2_checkpoint(p, lazy=lazy)
         lora_w = None
     if adapter is not None:
         a_lora, a_cfg, a_tensors, _ = load_adapter(adapter)

@@ -47,7 +47,7 @@ def _prequantized_config(path, qc: dict, states: dict, quantize, double_quant, c
 def _gpt2_full_precision(path):
     """GPT-2's canonical base tensors from HF/OpenAI files or a ``save_model`` folder (whose
     weights are stored (out, in) already; LoRA tensors saved with it are left out)."""
-    cfg, _, tensors = resolve_pretrained(path)
+    cfg, _, tensors = resolve_pretrained(path, lazy=True)  # Conv1D weights: transposed views of the map
     names = _gpt2.base_shapes(cfg)
     return cfg, {k: v for k, v in tensors.items() if k in names}
 
