@@ -3,11 +3,13 @@ transformers + bitsandbytes + peft on CPU, with a tiny random ``DistilBertForSeq
 saved in the test: quantized while loading, its blocks' 12 linear weights dequantize to
 bitsandbytes' bits and the logits are transformers' (head kept float32, as transformers does
 with ``llm_int8_skip_modules=["pre_classifier", "classifier"]``); transformers' 4-bit checkpoints
-(head skipped or, transformers' default, quantized too) load as they are; a peft QLoRA adapter
-(LoRA on q_lin, v_lin and a trained classifier) gives peft's logits; jittor vs torch over 8
-QLoRA updates."""
+(head skipped or, transformers' default, quantized too) load as they are; ours saves
+transformers' bytes and transformers loads it; a peft QLoRA adapter (LoRA on q_lin, v_lin and
+a trained classifier) gives peft's logits; jittor vs torch over 8 QLoRA updates; refusals."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -126,6 +128,24 @@ def test_transformers_4bit_checkpoint_loads(backend, ckpt, which):
                  _logits(backend, model, ids, mask), _hf_logits(hf), 1e-5)
 
 
+def test_ours_saves_what_transformers_saves(backend, ckpt, tmp_path):
+    """Quantized while loading (head float32), and transformers' default checkpoint (head 4-bit)
+    loaded and saved again: transformers' tensors (bytes) and quantization_config; transformers
+    loads ours to the same logits."""
+    d, d4, d4all = ckpt
+    for name, model, ref_dir in (("nf4", backend.distilbert_from_pretrained(d, quantize="nf4"), d4),
+                                 ("all", backend.distilbert_from_pretrained(d4all), d4all)):
+        backend.save_quantized(model, tmp_path / name)
+        ref = st.load_file(str(ref_dir / "model.safetensors"))
+        ours = st.load_file(str(tmp_path / name / "model.safetensors"))
+        assert set(ours) == set(ref) and [k for k in ours if not torch.equal(ours[k], ref[k])] == [], name
+        qc = json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]
+        assert qc == json.loads((ref_dir / "config.json").read_text())["quantization_config"]
+        assert qc["llm_int8_skip_modules"] == (HEAD if name == "nf4" else None)
+        hf_ours = _load_4bit(tmp_path / name, config=False)
+        assert np.array_equal(_hf_logits(hf_ours), _hf_logits(_load_4bit(ref_dir, config=False))), name
+
+
 @pytest.fixture(scope="module")
 def peft_adapter(ckpt, tmp_path_factory):
     """A peft QLoRA adapter on transformers' 4-bit model (LoRA B nonzero, the classifier trained
@@ -181,3 +201,14 @@ def test_jittor_matches_torch_over_qlora_updates(ckpt):
         lora = "lora_" in n
         assert_close(f"DistilBERT QLoRA jittor vs torch: {'LoRA' if lora else 'head'} weights after 8 updates",
                      wj[n], wt[n], 1e-5 if lora else 1e-4)
+
+
+def test_refusals(ckpt):
+    bk = lc.get_backend("torch")
+    d, d4, _ = ckpt
+    with pytest.raises(ValueError, match="only 'nf4'"):
+        bk.distilbert_from_pretrained(d, quantize="fp4")
+    with pytest.raises(ValueError, match="is loaded as it is"):
+        bk.distilbert_from_pretrained(d4, quantize="nf4", double_quant=False)
+    with pytest.raises(ValueError, match=r"distilbert_from_pretrained\(path, quantize='nf4'\)"):
+        bk.from_pretrained(d, quantize="nf4")

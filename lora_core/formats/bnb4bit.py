@@ -156,11 +156,13 @@ def bnb4bit_config(double_quant: bool = True, compute_dtype: str = "float32", sk
 
 
 def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: dict[str, np.ndarray],
-                             states: dict[str, NF4State], compute_dtype: str = "float32") -> None:
+                             states: dict[str, NF4State], compute_dtype: str = "float32",
+                             skip_modules: list[str] | None = None) -> None:
     """A 4-bit checkpoint folder transformers' ``from_pretrained`` loads without re-quantizing:
-    ``config.json`` (``config`` plus ``quantization_config``) and ``model.safetensors``
-    (``tensors``, float32, and each state in ``states`` as ``bnb4bit_tensors``; names are
-    transformers'), each written atomically."""
+    ``config.json`` (``config`` plus ``quantization_config``, whose ``llm_int8_skip_modules``
+    is ``skip_modules``: the linear layers transformers must leave in full precision) and
+    ``model.safetensors`` (``tensors``, float32, and each state in ``states`` as
+    ``bnb4bit_tensors``; names are transformers'), each written atomically."""
     from .checkpoint import write_json_atomic, write_safetensors_atomic
 
     folder = Path(folder)
@@ -173,7 +175,7 @@ def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: d
         arrays.update(bnb4bit_tensors(name, st))
     write_safetensors_atomic(folder / "model.safetensors", arrays, metadata={"format": "pt"})
     cfg = json.loads(json.dumps(config))
-    cfg["quantization_config"] = bnb4bit_config(nested.pop() if nested else True, compute_dtype)
+    cfg["quantization_config"] = bnb4bit_config(nested.pop() if nested else True, compute_dtype, skip_modules)
     write_json_atomic(folder / "config.json", cfg)
 
 

@@ -1,7 +1,8 @@
 """A QLoRA base from a checkpoint folder, framework-free: either quantized while it loads
 (``quantize="nf4"`` on a full-precision checkpoint) or read as it is from a bitsandbytes 4-bit
 checkpoint (``config.json``'s ``quantization_config``; ``lora_core.formats.bnb4bit``), for the
-Llama family and GPT-2; and the tensors a 4-bit model saves in bitsandbytes' form.
+Llama family and GPT-2 (DistilBERT's loading: ``lora_core.quant.distilbert4bit``); and the
+tensors a 4-bit model of any of the three saves in bitsandbytes' form.
 
 GPT-2: transformers' bitsandbytes integration (``replace_with_bnb_linear``) turns the four
 Conv1D layers of each block into ``Linear4bit`` and quantizes their weights transposed, (out,
@@ -92,8 +93,11 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
     from ..models.build import checkpoint_family
 
     family = checkpoint_family(path)
+    if family == "distilbert":
+        raise ValueError(f"{path}: a DistilBERT classifier: load its 4-bit base with "
+                         f"distilbert_from_pretrained(path, quantize='nf4')")
     if family not in ("llama", "gpt2"):
-        raise ValueError(f"{path}: a 4-bit base is implemented for the Llama family and GPT-2, not {family}")
+        raise ValueError(f"{path}: a 4-bit base is implemented for the Llama family, GPT-2 and DistilBERT, not {family}")
     qc = quantization_config(path)
     if qc is None:
         qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
@@ -132,8 +136,13 @@ def save_4bit_checkpoint(folder: str | os.PathLike, cfg, tensors: dict[str, np.n
         hf = {_GPT2_PREFIX + n: (v.T if n.endswith(_gpt2.TRANSPOSED) else v) for n, v in tensors.items()}
         write_bnb4bit_checkpoint(folder, gpt2_hf_config(cfg), hf,
                                  {_GPT2_PREFIX + n: s for n, s in states.items()}, compute_dtype)
-    else:
+    elif isinstance(cfg, _llama.LlamaConfig):
         write_bnb4bit_checkpoint(folder, cfg.to_hf_dict(), tensors, states, compute_dtype)
+    else:  # DistilBERT: the head stays float32 (transformers told so by llm_int8_skip_modules)
+        from ..train.full_ft import hf_config
+        from .distilbert4bit import skip_modules
+
+        write_bnb4bit_checkpoint(folder, hf_config(cfg), tensors, states, compute_dtype, skip_modules(cfg, states))
 
 
 

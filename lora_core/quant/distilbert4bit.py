@@ -105,10 +105,14 @@ def build_4bit_classifier(model_cls, empty_model, to_4bit, load_adapter, path, a
     return model
 
 
-def skip_modules(cfg) -> list[str] | None:
-    """``llm_int8_skip_modules`` of a saved 4-bit checkpoint of ``cfg``'s family (None: transformers'
-    default, which already keeps the LM heads of GPT-2 and the Llama family unquantized)."""
-    return list(DISTILBERT_SKIP) if isinstance(cfg, _db.DistilBertConfig) else None
+def skip_modules(cfg, quantized) -> list[str] | None:
+    """``llm_int8_skip_modules`` of a saved 4-bit checkpoint of ``cfg``'s family whose 4-bit weights
+    are named in ``quantized``: DistilBERT's head modules kept in float32 (None: transformers'
+    default, which already keeps the LM heads of GPT-2 and the Llama family unquantized, and
+    quantizes a DistilBERT head)."""
+    if not isinstance(cfg, _db.DistilBertConfig):
+        return None
+    return [m for m in DISTILBERT_SKIP if f"{m}.weight" not in quantized] or None
 
 
 __all__ = ["build_4bit_classifier", "load_distilbert_4bit", "skip_modules"]
