@@ -2,13 +2,14 @@
 torch (FSDP2 ``fully_shard``; stage 2: trained parameters' gradients and AdamW state sharded,
 stage 3: every parameter) and jittor over MPI (stage 2: each rank keeps and updates the AdamW
 moments of its slice). The toy set's tiny GPT-2, 20 updates with gradient accumulation,
-clipping and uneven shards, validation every 10 updates (uneven evaluation batches), for LoRA
-(with LoRA dropout, numpy masks) and full fine-tuning: the loss curve, the validation NLL and
-the final weights within 1e-6 of one process. Checkpoints are gathered to the usual single
-files (full FT: transformers' ``model.safetensors``), so a 2-process run resumes on one
-process; a rank SIGKILLed after update 13 stops the job with ``ckpt-10`` intact, and ``--resume``
-on 2 processes gives the uninterrupted run's log and adapter bit for bit. Jittor refuses
-stage 3 by name."""
+clipping and uneven shards, validation every 10 updates (uneven evaluation batches): the loss
+curve, the validation NLL and the final weights within 1e-6 of one process for LoRA (with LoRA
+dropout, numpy masks) and full fine-tuning (torch stages 2 and 3, jittor stage 2) and for QLoRA
+(LoRA on a 4-bit base; stage 2). Checkpoints are gathered to the usual single files (full FT:
+transformers' ``model.safetensors``), so a 2-process run resumes on one process; a rank
+SIGKILLed after update 13 stops the job with ``ckpt-10`` intact, and ``--resume`` on 2
+processes gives the uninterrupted run's log and adapter bit for bit. Jittor refuses stage 3 by
+name."""
 
 from __future__ import annotations
 
@@ -26,15 +27,21 @@ STEPS, SAVE, KILL = 20, 10, 13
 COMMON = ["batch_size=10", "grad_accum=2", "max_grad_norm=0.05", "warmup=2", f"save_every={SAVE}",
           f"eval_every={SAVE}", "eval_batch_size=6", "log_every=1"]  # fmt: skip
 # full FT at lr 1e-2: jittor's weights drift to 1.1e-6 of one process (rounding amplified by AdamW)
-SETTINGS = {"lora": [*COMMON, "lr=1e-2", "lora_dropout=0.1", "dropout_masks=numpy"], "full": [*COMMON, "lr=1e-3"]}
-WEIGHTS = {"lora": "adapter.safetensors", "full": "model.safetensors"}
+LORA = [*COMMON, "lr=1e-2", "lora_dropout=0.1", "dropout_masks=numpy"]
+SETTINGS = {"lora": LORA, "qlora": LORA, "full": [*COMMON, "lr=1e-3"]}
+OPTIONS = {
+    "lora": ["--method", "lora"],
+    "qlora": ["--method", "lora", "--quantize", "nf4"],
+    "full": ["--method", "full"],
+}
+WEIGHTS = {"lora": "adapter.safetensors", "qlora": "adapter.safetensors", "full": "model.safetensors"}
 RTOL = 1e-6
 CASES = [("torch", 2), ("torch", 3), ("jittor", 2)]
 
 
 def _args(toy, out_dir, method, *extra):  # noqa: F811
     return ["-m", "examples.nlg.train", "--recipe", "toy", "--train", str(toy["train"]), "--valid", str(toy["valid"]),
-            "--random-init", "tiny", "--vocab-size", str(toy["vocab_size"]), "--method", method, "--max-steps",
+            "--random-init", "tiny", "--vocab-size", str(toy["vocab_size"]), *OPTIONS[method], "--max-steps",
             str(STEPS), "--no-progress", "--out-dir", str(out_dir), *extra, "--set", *SETTINGS[method]]  # fmt: skip
 
 
@@ -105,6 +112,13 @@ def test_full_ft_two_sharded_processes_match_one(runs, toy, tmp_path, name, stag
         res = _resume_on_one(toy, runs(name, "full", stage), tmp_path, name, "full")
         for k in got:
             assert_close(f"{name} zero-{stage} full FT run resumed on 1 process: weights", res[k], got[k], RTOL)
+
+
+@pytest.mark.parametrize("name,stage", [("torch", 2), ("jittor", 2)])
+def test_qlora_two_sharded_processes_match_one(runs, name, stage):
+    """LoRA on a 4-bit base (quantized while loading): FSDP2 leaves the 4-bit codes alone (they
+    are buffers), so every rank holds them whole; the adapter is sharded as with LoRA."""
+    _same_as_one(f"{name} zero-{stage} QLoRA", runs(name, "qlora", stage), runs(name, "qlora", 0), "qlora")
 
 
 @pytest.mark.parametrize("name", ["torch", "jittor"])
