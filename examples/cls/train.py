@@ -16,6 +16,7 @@ seeded classification head), injects LoRA as the recipe says, and trains with
     python -m examples.cls.train ... --method full    # every weight; ckpt-N/ is a transformers checkpoint
     python -m examples.cls.train ... --device cuda --precision bf16             # on a GPU
     python -m examples.cls.train ... --grad-checkpoint    # recompute each layer in the backward pass
+    python -m examples.cls.train ... --quantize nf4      # QLoRA: the recipe's LoRA on a 4-bit NF4 base
     torchrun --nproc_per_node 2 -m examples.cls.train --backend torch ...      # data parallel
     mpirun -np 2 python -m examples.cls.train --backend jittor ...
 """
@@ -36,7 +37,7 @@ from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options
+from ..run_options import add_run_options, apply_run_options, quantize_kwargs
 from .evaluate import write_predictions
 from .prepare import read_prepared
 
@@ -53,10 +54,12 @@ def read_split(prepared: Path, split: str) -> list[tuple[list[int], int]]:
     return list(zip(ids, labels))
 
 
-def build(backend, base: Path, recipe):
+def build(backend, base: Path, recipe, quantize: dict | None = None):
     """The DistilBERT classifier of ``base`` with the recipe's LoRA injected (``method="lora"``;
-    a base without a classification head gets one drawn from the recipe's seed)."""
-    model = backend.distilbert_from_pretrained(base, num_labels=2, head_seed=recipe.train.seed)
+    a base without a classification head gets one drawn from the recipe's seed); ``quantize``:
+    ``distilbert_from_pretrained``'s 4-bit arguments (a QLoRA base: the encoder's linear layers
+    NF4, the head float32; ``lora_core.quant.distilbert4bit``)."""
+    model = backend.distilbert_from_pretrained(base, num_labels=2, head_seed=recipe.train.seed, **(quantize or {}))
     if recipe.train.method == "lora":
         backend.inject_lora(model, recipe.lora)
     return model
@@ -75,16 +78,18 @@ def run(
     kill_after: int | None = None,
     device: str = "cpu",
     grad_checkpoint: bool = False,
+    quantize: dict | None = None,
 ) -> dict:
     """Train, then predict dev and test; returns the trainer's summary and the metrics.
     ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``grad_checkpoint``: recompute each
     encoder layer in the backward pass (neither changes a result: not part of the run's
-    configuration, so a resume may change them). Bad input (the run folder, the prepared
-    splits) is refused before the model is loaded."""
+    configuration, so a resume may change them). ``quantize``: a 4-bit base (``build``), its
+    settings recorded in the run's base note (a resume with others is refused). Bad input
+    (the run folder, the prepared splits) is refused before the model is loaded."""
     check_out_dir(out_dir, resume=resume or resume_from is not None)
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
     backend = lora_core.get_backend(backend_name)
-    model = build(backend, base, recipe)
+    model = build(backend, base, recipe, quantize)
     backend.to_device(model, device)
     backend.set_grad_checkpoint(model, grad_checkpoint)
     summary = train(
@@ -97,7 +102,7 @@ def run(
         resume=resume,
         resume_from=resume_from,
         progress=progress,
-        base_note=str(base),
+        base_note=" ".join([str(base), *(f"{k}={v}" for k, v in (quantize or {}).items())]),
         kill_after=kill_after,
         comm=comm,
         task=ClassificationTask(),
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.cls.prepare")
     p.add_argument("--base", required=True, type=Path, help="HF DistilBERT folder (config.json + weights)")
     p.add_argument("--out-dir", required=True, type=Path)
-    add_run_options(p, set_help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)")
+    add_run_options(p, set_help="recipe overrides: train.FIELD=... (TrainConfig), lora.FIELD=... (LoRATargetConfig)",
+                    quantize=True)
     args = p.parse_args(argv)
 
     def body(job) -> str:
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_after=args.stop_after,
             device=args.device,
             grad_checkpoint=args.grad_checkpoint,
+            quantize=quantize_kwargs(args),
         )
         metrics = summary.pop("metrics", {})
         summary.update({k: v for k, v in metrics.items() if k.endswith(("_accuracy", "_n"))})
