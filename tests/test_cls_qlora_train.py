@@ -1,7 +1,8 @@
 """``examples.cls.train --quantize nf4``: the SST-2 recipe's LoRA (q_lin, v_lin, the head trained
 fully) on a 4-bit DistilBERT base quantized while loading, in both backends: 4 updates of the
 parity-mode demo recipe give the same loss curve within 1e-5 (and not the float32 base's);
-the base note records the 4-bit settings; ``--quantize`` with ``--method full`` is refused."""
+the base note records the 4-bit settings; ``examples.cls.evaluate --quantize nf4`` on the
+checkpoint gives the trainer's dev predictions; ``--quantize`` with ``--method full`` is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import assert_close
 
+from examples.cls import evaluate as cls_eval
 from examples.cls import train as cls_cli
 from lora_core.data.nlg import write_jsonl_atomic
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
@@ -64,6 +66,12 @@ def test_cls_qlora_curve_matches_torch(backend, cls_data):
                  _run(cls_data, "torch", "--quantize", "nf4")[1], 1e-5)
     if backend.NAME == "torch":  # the 4-bit base is not the float32 one
         assert not np.allclose(q, _run(cls_data, "torch")[1], rtol=1e-6, atol=0)
+    # examples.cls.evaluate --quantize nf4 on the checkpoint: the trainer's dev predictions
+    ev = out.parent / f"eval-{backend.NAME}"
+    assert cls_eval.main(["--backend", backend.NAME, "--base", str(cls_data / "base"), "--adapter",
+                          str(out / "ckpt-4"), "--prepared", str(cls_data / "sst2"), "--out", str(ev),
+                          "--quantize", "nf4"]) == 0
+    assert (ev / "dev_predictions.tsv").read_text() == (out / "dev_predictions.tsv").read_text()
 
 
 def test_cls_quantize_with_full_is_refused(cls_data, tmp_path, capsys):

@@ -4,6 +4,7 @@ either backend. The adapter is ours or peft's (``adapter_config.json``: e.g. one
 
     python -m examples.cls.evaluate --backend jittor --base distilbert-sst2-base/ \\
         --adapter peft_adapter/ --prepared out/sst2 --out out/sst2/eval_jittor
+    python -m examples.cls.evaluate ... --adapter runs/sst2/ckpt-N --quantize nf4   # a QLoRA adapter
 
 writes ``OUT/dev_predictions.tsv`` and ``OUT/test_predictions.tsv`` (GLUE's ``index\\tprediction``)
 and ``OUT/metrics.json`` (dev accuracy).
@@ -22,6 +23,7 @@ from lora_core.data import cls_data
 from lora_core.data.nlg import write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
 
+from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
 from .prepare import read_prepared
 
 
@@ -35,9 +37,12 @@ def predict(backend, model, ids: list[list[int]], batch_size: int = 64) -> np.nd
     return out
 
 
-def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path, out: Path) -> dict:
+def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path, out: Path,
+             quant: dict | None = None) -> dict:
+    """``write_predictions`` of ``base`` + ``adapter``; ``quant``: ``distilbert_from_pretrained``'s
+    4-bit arguments (``quantize="nf4"``, ...: the base a QLoRA adapter was trained on)."""
     bk = lc.get_backend(backend_name)
-    model = bk.distilbert_from_pretrained(base, adapter=adapter)
+    model = bk.distilbert_from_pretrained(base, adapter=adapter, **(quant or {}))
     metrics = {"backend": backend_name, "base": str(base), "adapter": str(adapter) if adapter else None}
     return write_predictions(bk, model, prepared, out, metrics)
 
@@ -68,8 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapter", type=Path, help="adapter folder (ours or peft's)")
     ap.add_argument("--prepared", type=Path, required=True, help="output folder of examples.cls.prepare")
     ap.add_argument("--out", type=Path, required=True)
+    add_quantize_options(ap)
     args = ap.parse_args(argv)
-    metrics = evaluate(args.backend, args.base, args.adapter, args.prepared, args.out)
+    try:
+        check_quantize(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    metrics = evaluate(args.backend, args.base, args.adapter, args.prepared, args.out, quantize_kwargs(args))
     print({k: v for k, v in metrics.items() if k.endswith(("accuracy", "_n"))})
     return 0
 
