@@ -8,8 +8,9 @@ dropout, numpy masks) and full fine-tuning (torch stages 2 and 3, jittor stage 2
 (LoRA on a 4-bit base; stage 2). Checkpoints are gathered to the usual single files (full FT:
 transformers' ``model.safetensors``), so a 2-process run resumes on one process; a rank
 SIGKILLed after update 13 stops the job with ``ckpt-10`` intact, and ``--resume`` on 2
-processes gives the uninterrupted run's log and adapter bit for bit. Jittor refuses stage 3 by
-name."""
+processes gives the uninterrupted run's log and adapter bit for bit. The classification command
+under torch ZeRO-3 (validation, then dev/test predictions from the gathered checkpoint). Jittor
+refuses stage 3 by name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import shutil
 import numpy as np
 import pytest
 from helpers import assert_close
+from test_cls_train import _cli, _launcher, data  # noqa: F401  (data: a fixture)
 from test_distributed import _launch, _ok, toy  # noqa: F401  (toy: a fixture)
 
 from lora_core.formats.checkpoint import read_tensors
@@ -143,3 +145,29 @@ def test_jittor_refuses_stage_3(toy, tmp_path):  # noqa: F811
     assert r.returncode != 0 and "--zero 3 (sharded parameters) is not available in the jittor backend" in (
         r.stdout + r.stderr
     )
+
+
+def test_classification_command_under_torch_zero_3(data, tmp_path):  # noqa: F811
+    """``examples.cls.train --zero 3`` (LoRA on a tiny DistilBERT, validation every 4 updates):
+    the one-process losses, validation losses and adapter, and the same dev and test
+    predictions (written by rank 0 from the gathered checkpoint: the trained model is sharded)."""
+    args = ["--base", str(data / "base0"), "--max-steps", "8", "--set", "train.batch_size=10", "train.lr=1e-2",
+            "train.log_every=1", "train.save_every=4", "train.eval_every=4", "train.eval_batch_size=10",
+            "train.dropout_masks=framework", "lora.dropout=0", "train.last_batch=drop"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    for r in (
+        _cli("torch", data, one, *args),
+        _cli("torch", data, two, *args, "--zero", "3", launcher=_launcher("torch")),
+    ):
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert_close(
+        "zero 3 vs 1 process: classification loss", _log(two, "train", "loss"), _log(one, "train", "loss"), RTOL
+    )
+    assert len(_log(two, "eval", "valid_loss")) == 2
+    assert_close("zero 3 vs 1 process: classification valid loss", _log(two, "eval", "valid_loss"),
+                 _log(one, "eval", "valid_loss"), RTOL)  # fmt: skip
+    a, b = _weights(one, "lora", 8), _weights(two, "lora", 8)
+    for k in a:
+        assert_close("zero 3 vs 1 process: classification adapter", b[k], a[k], RTOL)
+    for f in ("dev_predictions.tsv", "test_predictions.tsv"):
+        assert (two / f).read_text() == (one / f).read_text()

@@ -108,6 +108,11 @@ def run(
         task=ClassificationTask(),
     )
     if comm is None or comm.world.is_main:
+        if comm is not None and comm.world.parallel and recipe.train.zero:  # the model is sharded: reload it whole
+            ckpt, full = Path(summary["checkpoint"]), recipe.train.method == "full"
+            model = backend.distilbert_from_pretrained(ckpt if full else base, adapter=None if full else ckpt,
+                                                       **(quantize or {}))
+            backend.to_device(model, device)
         meta = {"backend": backend_name, "recipe": recipe.name, "base": str(base), "adapter": summary["checkpoint"]}
         summary["metrics"] = write_predictions(backend, model, prepared, Path(out_dir), meta)
     return summary
