@@ -2,7 +2,8 @@
 fully) on a 4-bit DistilBERT base quantized while loading, in both backends: 4 updates of the
 parity-mode demo recipe give the same loss curve within 1e-5 (and not the float32 base's);
 the base note records the 4-bit settings; ``examples.cls.evaluate --quantize nf4`` on the
-checkpoint gives the trainer's dev predictions; ``--quantize`` with ``--method full`` is refused."""
+checkpoint gives the trainer's dev predictions; ``--quantize`` with ``--method full``, and a
+resume with other 4-bit settings, are refused."""
 
 from __future__ import annotations
 
@@ -74,10 +75,15 @@ def test_cls_qlora_curve_matches_torch(backend, cls_data):
     assert (ev / "dev_predictions.tsv").read_text() == (out / "dev_predictions.tsv").read_text()
 
 
-def test_cls_quantize_with_full_is_refused(cls_data, tmp_path, capsys):
+def test_cls_quantize_refusals(cls_data, tmp_path, capsys):
     capsys.readouterr()
     assert cls_cli.main(_argv(cls_data, "torch", tmp_path / "o", "--quantize", "nf4", "--method", "full")) == 1
     err = capsys.readouterr().err
     assert err == ("error: --quantize nf4 with method full: a 4-bit base is frozen, QLoRA trains a LoRA adapter on it "
                    "(use --method lora, or leave out --quantize)\n"), err
     assert not (tmp_path / "o").exists()
+    # a resume with other 4-bit settings: the run's base note differs
+    out, _ = _run(cls_data, "torch", "--quantize", "nf4")
+    assert cls_cli.main(_argv(cls_data, "torch", out, "--quantize", "nf4", "--no-double-quant", "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "double_quant=True" in err and "double_quant=False" in err, err

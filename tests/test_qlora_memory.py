@@ -6,7 +6,7 @@ checkpoint's pages are file-backed and not counted), is sampled every 0.2 ms dur
 Bound: the growth of the peak over the process's memory before the load <= the 4-bit model
 (packed NF4 weights + the float32 tensors left unquantized) + a quarter of the float32 weights
 (the tensor being quantized, its temporaries, the allocator's slack): 16.0 MB (GPT-2), 16.3 MB
-(DistilBERT). Measured (2-core CPU): 8.5-11.9 MB in both backends; before GPT-2's Conv1D
+(DistilBERT). Measured (2-core CPU, two runs): 8.4-11.9 MB in both backends; before GPT-2's Conv1D
 weights were left as transposed views of the map (all of them were copied to float32 before
 the first was quantized) 40.9 / 42.8 MB (torch / jittor), above the float32 weights' 39.1 MB."""
 
