@@ -212,3 +212,18 @@ def test_refusals(ckpt):
         bk.distilbert_from_pretrained(d4, quantize="nf4", double_quant=False)
     with pytest.raises(ValueError, match=r"distilbert_from_pretrained\(path, quantize='nf4'\)"):
         bk.from_pretrained(d, quantize="nf4")
+
+
+def test_modules_to_save_on_a_4bit_head_refused(backend, ckpt):
+    """transformers' default 4-bit checkpoint quantizes the head too: training it fully
+    (``modules_to_save``) would train only its biases, so injection refuses it by name; LoRA on
+    q, v alone (no modules_to_save) still goes on."""
+    from lora_core.lora.targeting import TargetError
+
+    d4_all = ckpt[2]
+    model = backend.distilbert_from_pretrained(d4_all)
+    cfg = lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin"), modules_to_save=("classifier",))
+    with pytest.raises(TargetError, match=r"4-bit layer\(s\) \['pre_classifier', 'classifier'\]"):
+        backend.inject_lora(model, cfg)
+    model = backend.distilbert_from_pretrained(d4_all)
+    assert len(backend.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=8, target_modules=("q_lin", "v_lin")))) == 4

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.gpt2 import LoRAConfig
-from .targeting import LayerPlan, LoRATargetConfig, TargetError, init_lora_arrays, plan_injection, trainable_names
+from .targeting import (LayerPlan, LoRATargetConfig, TargetError, in_saved_module, init_lora_arrays, plan_injection,
+                        trainable_names)
 
 RECORD = "lora_injection"
 
@@ -31,6 +32,17 @@ class Injection:
     def trainable(self, param_names) -> list[str]:
         """The parameters that train and that an adapter holds, in the given order."""
         return trainable_names(list(param_names), self.plans, self.config)
+
+    def refuse_frozen_saved(self, frozen_modules) -> None:
+        """``modules_to_save`` trains whole modules; one whose weight is stored frozen (a 4-bit
+        layer: packed codes, not a parameter) would train only its bias, silently: TargetError
+        naming the modules. ``frozen_modules``: the names of the model's modules of that kind."""
+        bad = [n for n in frozen_modules if in_saved_module(n + ".weight", self.config.modules_to_save)]
+        if bad:
+            raise TargetError(
+                f"modules_to_save {self.config.modules_to_save!r} matches 4-bit layer(s) {bad}: their weights are "
+                "frozen NF4 codes and cannot train (load the base with these modules unquantized, e.g. a 4-bit "
+                "checkpoint with them in llm_int8_skip_modules, or leave them out of modules_to_save)")
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         out = {}

@@ -273,7 +273,7 @@ def _unmatched_patterns(names: list[str], plans: list[str], cfg: LoRATargetConfi
 def trainable_names(param_names: list[str], plans: dict[str, LayerPlan], cfg: LoRATargetConfig) -> list[str]:
     """Parameter names that train (and that an adapter holds), in the given order: LoRA
     parameters, the biases ``cfg.bias`` selects, every parameter of ``modules_to_save``."""
-    saved = {n for n in param_names if _under_saved(n, cfg.modules_to_save)}
+    saved = {n for n in param_names if in_saved_module(n, cfg.modules_to_save)}
     out = []
     for n in param_names:
         module, _, leaf = n.rpartition(".")
@@ -286,7 +286,7 @@ def trainable_names(param_names: list[str], plans: dict[str, LayerPlan], cfg: Lo
     return out
 
 
-def _under_saved(param: str, modules_to_save: tuple[str, ...]) -> bool:
+def in_saved_module(param: str, modules_to_save: tuple[str, ...]) -> bool:
     """A parameter inside a saved module (any prefix of its module path ends with an entry)."""
     parts = param.split(".")[:-1]
     return any(is_saved_module(".".join(parts[:i]), modules_to_save) for i in range(1, len(parts) + 1))
