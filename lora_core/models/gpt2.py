@@ -260,6 +260,17 @@ def trainable_names(cfg: GPT2Config, lora: LoRAConfig) -> list[str]:
         names += [f"{m}.bias" for m in lora_modules(cfg, lora) if m != "wte"]
     return names
 
+
+def count_flops_per_token(cfg: GPT2Config, seq_len: int) -> dict[str, float]:
+    """Multiply-adds x 2 per token of one forward pass, as ``lora_core.models.llama``'s:
+    ``matmul`` (every block's ``c_attn``, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj`` and the
+    LM head tied to ``wte``: 2 x the weights they multiply) and ``attention`` (QK^T and AV,
+    causal: on average half of ``seq_len`` keys per query)."""
+    matmul = sum(2 * fin * fout for m, (fin, fout) in module_dims(cfg).items() if m != "wte")
+    matmul += 2 * cfg.vocab_size * cfg.n_embd  # LM head (tied)
+    attn = cfg.n_layer * 2 * 2 * cfg.n_embd * (seq_len + 1) / 2
+    return {"matmul": float(matmul), "attention": float(attn)}
+
 # -------------------- seeded initial values
 
 def init_gpt2_weights(cfg: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
@@ -308,6 +319,6 @@ def init_lora_weights(cfg: GPT2Config, lora: LoRAConfig, seed: int | None = None
 
 __all__ = [
     "LoRAConfig", "GPT2Config", "PRESETS", "gpt2_config", "LORA_TARGETS", "BiasMode", "TRANSPOSED",
-    "base_shapes", "module_dims", "lora_modules", "lora_shapes", "trainable_names", "init_gpt2_weights",
-    "init_lora_weights", "LORA_MARK", "count_parameters", "is_lora_name", "matches_target",
+    "base_shapes", "count_flops_per_token", "module_dims", "lora_modules", "lora_shapes", "trainable_names",
+    "init_gpt2_weights", "init_lora_weights", "LORA_MARK", "count_parameters", "is_lora_name", "matches_target",
 ]
