@@ -1,18 +1,20 @@
-"""Speed and memory of causal-LM LoRA training and greedy decoding on a Llama shape: ours-torch,
-ours-jittor and transformers + peft, on the same random weights and the same batches.
+"""Speed and memory of causal-LM LoRA training and greedy decoding on a Llama or GPT-2 shape:
+ours-torch, ours-jittor and transformers + peft, on the same random weights and the same batches.
 
 Command (``docs/bench/lm_llama-bench_<hash>.txt``)::
 
     python -m examples.lm.bench --steps 3 --new-tokens 32 --json out.json
     # smoke run: --shape tiny-llama --steps 1 --new-tokens 4 --block 16
+    # GPT-2 (lora_core.models.gpt2.PRESETS): --shape gpt2 (LoRA on attn.c_attn, attn.c_proj)
 
-The parent draws the base weights once (``init_llama_weights``, seed 0) and writes them as a
-transformers checkpoint folder (``config.json`` from ``LlamaConfig.to_hf_dict``,
-``model.safetensors``) in a temporary folder, with two LoRA files of ours' seeded initial
-values (``init_lora_arrays``: ``lora_A`` kaiming-uniform, ``lora_B`` zeros for training;
-``lora_B`` normal(0, 0.02) for decoding, so that the adapter changes the tokens whose
-equality is checked). Every system loads those files: ours with ``bk.from_pretrained`` +
-``inject_lora`` (r 8, alpha 16 on q, k, v, o) + ``load_partial``; ``hf-peft`` with
+The parent draws the base weights once (``init_llama_weights`` / ``init_gpt2_weights``, seed 0)
+and writes them as a transformers checkpoint folder (``config.json`` from
+``LlamaConfig.to_hf_dict`` or GPT-2's, ``model.safetensors``; ``bench_shapes``) in a temporary
+folder, with two LoRA files of ours' seeded initial values (``init_lora_arrays``: ``lora_A``
+kaiming-uniform, ``lora_B`` zeros for training; ``lora_B`` normal(0, 0.02) for decoding, so
+that the adapter changes the tokens whose equality is checked). Every system loads those
+files: ours with ``bk.from_pretrained`` + ``inject_lora`` (r 8, alpha 16 on q, k, v, o; GPT-2:
+``attn.c_attn`` whole and ``attn.c_proj``) + ``load_partial``; ``hf-peft`` with
 ``AutoModelForCausalLM.from_pretrained(dtype=float32)`` + ``peft.get_peft_model`` (the same r,
 alpha, targets, dropout 0) with the values copied in. Each (system, task) runs in its own
 process (``examples.bench_worker.spawn``) with ``--threads`` threads; repeats rotate the order.
@@ -48,6 +50,9 @@ Decoding: ``--batch`` prompts of 32 random tokens, greedy for ``--new-tokens`` t
 KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: ``generate``
 (do_sample False, no eos), after a 2-token warm-up; ``same`` says whether a system's tokens
 equal hf-peft's (or the first system's without it).
+
+On a GPT-2 shape the methods table has no planner prediction and no 4-bit weights formula line:
+``lora_core.plan.bench_plan`` and ``methods_table.qlora_weight_lines`` take Llama shapes only.
 """
 
 from __future__ import annotations
@@ -62,13 +67,22 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-from lora_core.models.llama import PRESETS, count_flops_per_token, init_llama_weights, llama_config
-
 from ..bench_worker import environment, environment_line, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
-from .bench_systems import ALPHA, METHODS, SEED, TARGETS, R, lora_arrays, make_system, token_rows
+from .bench_shapes import (
+    SHAPES,
+    describe,
+    flops_per_token,
+    gemm_shapes,
+    is_gpt2,
+    positions,
+    projections,
+    shape_config,
+    weight_bytes,
+    write_checkpoint,
+)
+from .bench_shapes import targets as targets_of
+from .bench_systems import ALPHA, METHODS, SEED, R, lora_arrays, make_system, token_rows
 from .methods_table import PARTS, method_flops, plot, qlora_weight_lines, rows, table_lines
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
@@ -134,7 +148,7 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     rows = token_rows(cfg.vocab_size, (n, spec["batch"], spec["block"] + 1), SEED + 1)
     baseline = mem.now()  # the framework imported, no model yet
     method = spec.get("method", "lora")
-    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method)
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method, targets_of(cfg))
     mem.sample()
     loaded = {**mem.now(), "peak_private_mb": mem.private, "peak_anon_mb": mem.anon}  # the model built
     if compile_:
@@ -162,7 +176,7 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
 def run_decode(spec: dict, mem: MemorySampler) -> dict:
     cfg = _shape(spec)
     prompts = token_rows(cfg.vocab_size, (spec["batch"], PROMPT_LEN), SEED + 2)
-    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_decode"]), False)
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_decode"]), False, "lora", targets_of(cfg))
     t0 = time.perf_counter()
     system.greedy(prompts, 2)  # warm-up (kernels, caches), excluded
     warm = time.perf_counter() - t0
@@ -186,8 +200,7 @@ def run_worker(spec: dict) -> dict:
 
 
 def _shape(spec: dict):
-    over = {"num_hidden_layers": spec.get("layers"), "vocab_size": spec.get("vocab")}
-    return llama_config(spec["shape"], **{k: v for k, v in over.items() if v})
+    return shape_config(spec["shape"], spec.get("layers"), spec.get("vocab"))
 
 
 # ----------------------------------------------------------------------------- parent
@@ -198,9 +211,7 @@ def write_inputs(cfg, folder: Path) -> dict[str, str]:
     from safetensors.numpy import save_file
 
     ckpt = folder / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
-    save_file(init_llama_weights(cfg, SEED), str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    write_checkpoint(cfg, ckpt, SEED)
     save_file(lora_arrays(cfg), str(folder / "lora_train.safetensors"))
     save_file(lora_arrays(cfg, DECODE_B_STD), str(folder / "lora_decode.safetensors"))
     return {"ckpt": str(ckpt), "lora_train": str(folder / "lora_train.safetensors"),
@@ -209,10 +220,11 @@ def write_inputs(cfg, folder: Path) -> dict[str, str]:
 
 def train_flops_per_token(cfg, block: int) -> dict[str, float]:
     """Forward ``matmul``, ``attention``, ``lora`` and the LoRA step's total (module docstring)."""
-    f = count_flops_per_token(cfg, block)
-    q, kv, e = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size
-    dims = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e)}
-    lora = cfg.num_hidden_layers * sum(2 * R * (dims[t][0] + dims[t][1]) for t in TARGETS)
+    from lora_core.lora.targeting import matches_target
+
+    f = flops_per_token(cfg, block)
+    adapted = [d for m, d in projections(cfg).items() if matches_target(m, targets_of(cfg))]
+    lora = sum(2 * R * (fin + fout) for fin, fout in adapted)
     return {**f, "lora": float(lora), "forward": f["matmul"] + f["attention"] + lora,
             "train_step": 2 * f["matmul"] + 3 * f["attention"] + 3 * lora}  # fmt: skip
 
@@ -223,11 +235,8 @@ def gemm_peak(cfg, rows: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    e, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    shapes = sorted({(e, q), (e, kv), (q, e), (e, f), (f, e), (e, cfg.vocab_size)})
     by_shape = {}
-    for fin, fout in shapes:
+    for fin, fout in gemm_shapes(cfg):
         a, w = torch.randn(rows, fin), torch.randn(fin, fout)
         torch.matmul(a, w)
         best, spent = float("inf"), 0.0
@@ -249,16 +258,12 @@ def decode_floor(cfg, new_tokens: int, threads: int) -> dict:
     read: far below the GEMM peak, the product kernels stream the weights."""
     import torch
 
-    from lora_core.models.llama import base_shapes
-
     torch.set_num_threads(threads)
     big = torch.ones(128 * 2**20)
     big.sum()
     best = min(_timed(big.sum) for _ in range(3))
     bandwidth = big.numel() * 4 / best
-    weights = 4 * sum(int(np.prod(sh)) for sh in base_shapes(cfg).values())
-    if cfg.tie_word_embeddings:
-        weights += 4 * cfg.vocab_size * cfg.hidden_size  # the head reads the embedding again
+    weights = weight_bytes(cfg)  # every weight, a tied head's embedding twice
     steps = new_tokens  # the prompt's pass and new_tokens - 1 cached steps
     return {"read_gb_s": bandwidth / 1e9, "weight_mb": weights / 2**20, "steps": steps,
             "floor_s": steps * weights / bandwidth}  # fmt: skip
@@ -343,9 +348,9 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         m["peak_fraction"] = None if tok_s is None else m["gflops"] / peak["peak_gflops"]
         m["same_tokens"] = same[s]
         m["loss0"] = next((r["loss"][0] for r in raw[s] if "loss" in r), None)
-    lines = [f"shape {args.shape} (hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, MLP {cfg.intermediate_size}, "
-             f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}); LoRA r {R} alpha "
-             f"{ALPHA:g} on {','.join(t.removesuffix('_proj') for t in TARGETS)}; batch {args.batch} x block {args.block}; "
+    on = ",".join(t if is_gpt2(cfg) else t.removesuffix("_proj") for t in targets_of(cfg))
+    lines = [f"shape {args.shape} ({describe(cfg)}); LoRA r {R} alpha {ALPHA:g} on {on}; "
+             f"batch {args.batch} x block {args.block}; "
              f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); "
              f"{'ours-torch compiled (' + args.compile + '); ' if args.compile else ''}greedy "
              f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
@@ -379,12 +384,13 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
         ratios[f"{a} / {b}"] = row
         lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
-    methods = rows(all_med, flops, peak["peak_gflops"], vars(args))
+    # the planner's bench_plan knows the Llama presets only: GPT-2 rows get no prediction
+    methods = rows(all_med, flops, peak["peak_gflops"], None if is_gpt2(cfg) else vars(args))
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
                   f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt),
-                  *qlora_weight_lines(methods, cfg, R, TARGETS, _fmt)]  # fmt: skip
+                  *([] if is_gpt2(cfg) else qlora_weight_lines(methods, cfg, R, targets_of(cfg), _fmt))]  # fmt: skip
     return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
 
 
@@ -396,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return run_as_worker(run_worker, argv[1])
     p = argparse.ArgumentParser(prog="python -m examples.lm.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="llama-bench", choices=sorted(PRESETS), help="a preset of lora_core.models.llama")
+    p.add_argument("--shape", default="llama-bench", choices=SHAPES,
+                   help="a preset of lora_core.models.llama or lora_core.models.gpt2")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--batch", type=int, default=2, help="rows per training batch (and prompts decoded together)")
@@ -423,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
            args.vocab or 1) < 1:
         p.error("--layers, --vocab, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
     cfg = _shape(vars(args))
-    if max(args.block, PROMPT_LEN + args.new_tokens) > cfg.max_position_embeddings:
-        p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {cfg.max_position_embeddings} positions")
+    if max(args.block, PROMPT_LEN + args.new_tokens) > positions(cfg):
+        p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {positions(cfg)} positions")
     t0, version, env = time.perf_counter(), code_version(), environment()
     flops = train_flops_per_token(cfg, args.block)
     peak = gemm_peak(cfg, args.batch * args.block, args.threads)

@@ -3,8 +3,9 @@ calls (``train_step(rows)``, ``greedy(prompts, n)``, ``memory_parts()``), each l
 bench's checkpoint folder and LoRA file, so that all start from the same weights (see the
 bench's docstring), for one fine-tuning method of ``METHODS``:
 
-- ``full``: every weight trains (no LoRA); ``lora``: LoRA r 8, alpha 16 on q, k, v, o, the base
-  frozen; ``qlora``: the same LoRA on a 4-bit NF4 base (double quantization; ours:
+- ``full``: every weight trains (no LoRA); ``lora``: LoRA r 8, alpha 16 on q, k, v, o (GPT-2:
+  ``attn.c_attn`` whole and ``attn.c_proj``, ``bench_shapes``), the base frozen; ``qlora``: the
+  same LoRA on a 4-bit NF4 base (double quantization; ours:
   ``from_pretrained(quantize="nf4")``, transformers: ``BitsAndBytesConfig`` +
   ``prepare_model_for_kbit_training``);
 - ``-gc``: with activation checkpointing (ours: ``set_grad_checkpoint``; transformers:
@@ -16,26 +17,26 @@ from pathlib import Path
 
 import numpy as np
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+from .bench_shapes import LLAMA_TARGETS, projections, targets
+
+TARGETS = LLAMA_TARGETS
 METHODS = ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
 R, ALPHA, LR, SEED = 8, 16.0, 2e-4, 0
 
 
-def lora_target_config():
+def lora_target_config(target_modules: tuple[str, ...] = TARGETS):
     from lora_core.lora.targeting import LoRATargetConfig
 
-    return LoRATargetConfig(r=R, alpha=ALPHA, target_modules=TARGETS, seed=SEED)
+    return LoRATargetConfig(r=R, alpha=ALPHA, target_modules=target_modules, seed=SEED)
 
 
 def lora_arrays(cfg, b_std: float = 0.0) -> dict[str, np.ndarray]:
     """Ours' seeded initial LoRA values (``init_lora_arrays``) for ``cfg``'s adapted projections;
     ``b_std > 0``: ``lora_B`` drawn from normal(0, b_std) instead of zeros (decoding)."""
     from lora_core.lora.targeting import init_lora_arrays, plan_injection
-    from lora_core.models.llama import base_shapes
 
-    modules = {n.removesuffix(".weight"): ("linear", s[1], s[0]) for n, s in base_shapes(cfg).items()
-               if n.endswith("proj.weight")}  # fmt: skip
-    return init_lora_arrays(plan_injection(modules, lora_target_config()), SEED, b_std)
+    modules = {n: ("linear", fin, fout) for n, (fin, fout) in projections(cfg).items()}
+    return init_lora_arrays(plan_injection(modules, lora_target_config(targets(cfg))), SEED, b_std)
 
 
 def token_rows(vocab: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -47,7 +48,8 @@ class Ours:
     """``backends.torch`` / ``backends.jittor``: ``from_pretrained``, ``inject_lora``, ``train_step``,
     greedy ``beam_search`` (beam 1, KV cache, unmerged LoRA)."""
 
-    def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
+    def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
+                 target_modules: tuple[str, ...] = TARGETS):
         from safetensors.numpy import load_file
 
         import lora_core
@@ -56,7 +58,7 @@ class Ours:
         self.bk = bk = lora_core.get_backend(name)
         self.model = bk.from_pretrained(ckpt, quantize="nf4") if method.startswith("qlora") else bk.from_pretrained(ckpt)
         if not method.startswith("full"):
-            bk.inject_lora(self.model, lora_target_config())
+            bk.inject_lora(self.model, lora_target_config(target_modules))
             self.model.load_partial(load_file(lora_file))
         bk.set_grad_checkpoint(self.model, method.endswith("-gc"))
         if trainable:
@@ -89,7 +91,8 @@ class HFPeft:
     """``AutoModelForCausalLM.from_pretrained`` (float32, default attention) + ``peft`` LoRA with
     ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``."""
 
-    def __init__(self, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
+    def __init__(self, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
+                 target_modules: tuple[str, ...] = TARGETS):
         import warnings
 
         import peft
@@ -120,7 +123,7 @@ class HFPeft:
         if method.startswith("full"):
             self.model = model
         else:
-            lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(TARGETS))
+            lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(target_modules))
             self.model = peft.get_peft_model(model, lcfg)
             self._load_lora(load_file(lora_file))
         if trainable:
@@ -141,7 +144,7 @@ class HFPeft:
         torch = self.torch
         with torch.no_grad():
             lora = {n: p for n, p in self.model.named_parameters() if "lora_" in n}
-            names = {n.replace("base_model.model.", "", 1).replace(".default.weight", ""): n for n in lora}
+            names = {_our_name(n): n for n in lora}
             if set(names) != set(values):
                 raise RuntimeError(f"peft LoRA names differ from ours: {sorted(set(names) ^ set(values))[:4]}")
             for ours, theirs in names.items():
@@ -172,13 +175,22 @@ class HFPeft:
         return seq[:, ids.shape[1] :].tolist()
 
 
-def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora"):
-    """``ours-torch``, ``ours-jittor`` or ``hf-peft``, set up for ``method`` (``METHODS``)."""
+def _our_name(peft_name: str) -> str:
+    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` ->
+    ``model.layers.0.self_attn.q_proj.lora_A``; GPT-2's ``transformer.`` prefix dropped (ours has none)."""
+    name = peft_name.replace("base_model.model.", "", 1).replace(".default.weight", "")
+    return name.removeprefix("transformer.")
+
+
+def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
+                target_modules: tuple[str, ...] = TARGETS):
+    """``ours-torch``, ``ours-jittor`` or ``hf-peft``, set up for ``method`` (``METHODS``), LoRA on
+    ``target_modules`` (``bench_shapes.targets``)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if name == "hf-peft":
-        return HFPeft(ckpt, lora_file, trainable, method)
-    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method)
+        return HFPeft(ckpt, lora_file, trainable, method, target_modules)
+    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method, target_modules)
 
 
 def _numel(v) -> int:

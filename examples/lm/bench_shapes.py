@@ -1,0 +1,113 @@
+"""The model shapes of ``examples.lm.bench``: a Llama-family preset
+(``lora_core.models.llama.PRESETS``) or a GPT-2 one (``lora_core.models.gpt2.PRESETS``),
+behind the few calls the bench needs (the config, the LoRA targets, the checkpoint folder of
+random weights, the FLOP count, the GEMM shapes, the bytes a decoding step reads).
+
+LoRA targets (r 8, alpha 16, ``bench_systems``): Llama's ``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``; GPT-2's attention projections, ``attn.c_attn`` (q, k, v fused, adapted as one
+3E-wide matrix, as peft adapts it; not the LoRA paper's per-slice q, v form) and
+``attn.c_proj``. Targets are dotted suffixes matched as peft matches them, so both systems
+adapt the same modules: plain ``c_proj`` would adapt ``mlp.c_proj`` too.
+
+The checkpoint folder is transformers': Llama's as ``LlamaConfig.to_hf_dict()`` names it,
+GPT-2's as ``GPT2LMHeadModel.save_pretrained`` writes it (``transformer.`` prefix, Conv1D
+weights (in, out), the tied head left out: ``lora_core.train.full_ft.hf_config`` /
+``hf_tensors``), so that ``bk.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained``
+both load it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lora_core.models import gpt2, llama
+
+SHAPES = tuple(sorted(llama.PRESETS) + sorted(gpt2.PRESETS))
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+GPT2_TARGETS = ("attn.c_attn", "attn.c_proj")
+
+
+def shape_config(shape: str, layers: int | None = None, vocab: int | None = None):
+    """The preset ``shape`` (``SHAPES``) with the bench's ``--layers`` / ``--vocab`` overrides."""
+    if shape in gpt2.PRESETS:
+        over = {"n_layer": layers, "vocab_size": vocab}
+        return gpt2.gpt2_config(shape, **{k: v for k, v in over.items() if v})
+    over = {"num_hidden_layers": layers, "vocab_size": vocab}
+    return llama.llama_config(shape, **{k: v for k, v in over.items() if v})
+
+
+def is_gpt2(cfg) -> bool:
+    return isinstance(cfg, gpt2.GPT2Config)
+
+
+def targets(cfg) -> tuple[str, ...]:
+    """The LoRA targets of the bench on ``cfg``'s family (module docstring)."""
+    return GPT2_TARGETS if is_gpt2(cfg) else LLAMA_TARGETS
+
+
+def positions(cfg) -> int:
+    return cfg.n_positions if is_gpt2(cfg) else cfg.max_position_embeddings
+
+
+def describe(cfg) -> str:
+    """The shape's sizes, for the table's header."""
+    if is_gpt2(cfg):
+        return (f"GPT-2: hidden {cfg.n_embd}, layers {cfg.n_layer}, MLP {4 * cfg.n_embd}, heads {cfg.n_head}, "
+                f"vocab {cfg.vocab_size}")  # fmt: skip
+    return (f"hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, MLP {cfg.intermediate_size}, "
+            f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, vocab {cfg.vocab_size}")  # fmt: skip
+
+
+def projections(cfg) -> dict[str, tuple[int, int]]:
+    """Every projection of every block (the modules LoRA can adapt, 4-bit in QLoRA): name ->
+    (in, out), under our (canonical) names."""
+    if is_gpt2(cfg):
+        return {m: d for m, d in gpt2.module_dims(cfg).items() if m != "wte"}
+    shapes = llama.base_shapes(cfg)
+    return {n.removesuffix(".weight"): (s[1], s[0]) for n, s in shapes.items() if n.endswith("proj.weight")}
+
+
+def flops_per_token(cfg, block: int) -> dict[str, float]:
+    """Forward ``matmul`` and ``attention`` FLOPs per token (the family's ``count_flops_per_token``)."""
+    return (gpt2 if is_gpt2(cfg) else llama).count_flops_per_token(cfg, block)
+
+
+def gemm_shapes(cfg) -> list[tuple[int, int]]:
+    """The distinct (in, out) of the model's projections and its LM head."""
+    e = cfg.n_embd if is_gpt2(cfg) else cfg.hidden_size
+    return sorted(set(projections(cfg).values()) | {(e, cfg.vocab_size)})
+
+
+def weight_bytes(cfg) -> int:
+    """Bytes of float32 weights one decoding step reads: every parameter, and a tied LM head's
+    embedding a second time."""
+    if is_gpt2(cfg):
+        n = sum(_numel(s) for s in gpt2.base_shapes(cfg).values()) + cfg.vocab_size * cfg.n_embd  # tied head
+    else:
+        n = sum(_numel(s) for s in llama.base_shapes(cfg).values())
+        if cfg.tie_word_embeddings:
+            n += cfg.vocab_size * cfg.hidden_size  # the head reads the embedding again
+    return 4 * n
+
+
+def write_checkpoint(cfg, folder: Path, seed: int) -> None:
+    """Random weights (the family's seeded init) as a transformers checkpoint folder."""
+    if is_gpt2(cfg):
+        from lora_core.formats.hf_checkpoint import write_hf_checkpoint
+        from lora_core.train.full_ft import hf_config, hf_tensors
+
+        write_hf_checkpoint(folder, hf_config(cfg), hf_tensors(cfg, gpt2.init_gpt2_weights(cfg, seed)))
+        return
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    save_file(llama.init_llama_weights(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
