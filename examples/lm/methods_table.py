@@ -21,7 +21,7 @@ allocator keeps).
 
 The planner column: ``predicted MB`` is ``lora_core.plan.bench_plan`` for the row's method,
 system and shape (the memory planner, docs/planning.md), ``error %`` its difference from the
-measured peak private memory.
+measured peak anonymous memory (the run's own: not the pages of the memory-mapped checkpoint).
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ def split_key(key: str) -> tuple[str, str]:
 
 def predicted(settings: dict | None, system: str, method: str, measured: float | None) -> tuple:
     """The planner's peak (MB) for a row and its error (%) against ``measured``; ``settings``:
-    the bench's ``shape``, ``layers``, ``batch``, ``block`` (None: no prediction)."""
+    the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction)."""
     from lora_core.plan import SYSTEMS, bench_plan
 
     if not settings or system not in SYSTEMS:
         return None, None
-    p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method).peak
+    p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
+                   settings.get("vocab")).peak  # fmt: skip
     return p, (None if not measured else 100 * (p - measured) / measured)
 
 
@@ -68,7 +69,7 @@ def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = Non
         full = med.get(f"{system} full")
         base = full.get("train_peak_private_mb") if full else None
         private = m.get("train_peak_private_mb")
-        pred, err = predicted(settings, system, method, private)
+        pred, err = predicted(settings, system, method, m.get("train_peak_anon_mb"))
         out.append({"method": method, "system": system, "tok_s": tok_s, "gflops": gflops,
                     "peak_fraction": None if gflops is None else gflops / peak_gflops,
                     "s_per_100": None if not tok_s else 100 * m["median_step_s"],

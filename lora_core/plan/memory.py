@@ -1,32 +1,51 @@
 """The memory planner: a training run's per-rank peak memory, predicted before the run, split into
-weights, gradients, optimizer state, activations and framework overhead; and its FLOPs per token.
+weights, gradients, optimizer state, activations, allocator retention and framework overhead;
+and its FLOPs per token.
 
 Sources: the ZeRO paper (Rajbhandari et al. 2020: K = 12 bytes of fp32 master weight and Adam
 moments per mixed-precision parameter; stage 2 shards gradients and optimizer state, stage 3
 the parameters too), Korthikanti et al. 2023 (activations as bytes per token per layer, saved
-tensor by saved tensor), QLoRA (Dettmers et al. 2023: NF4 with double quantization), and
-the autograd graphs of the models measured (``backends/torch/llama.py``,
-``backends/jittor/llama.py``, transformers' ``modeling_llama.py`` + peft).
+tensor by saved tensor), QLoRA (Dettmers et al. 2023: NF4 with double quantization), the
+autograd graphs of the models measured (``backends/torch/llama.py``, ``backends/jittor/llama.py``,
+transformers' ``modeling_llama.py`` + peft), and glibc malloc (``mallopt(3)``: blocks at or
+above the mmap threshold, which grows up to 32 MB, are unmapped when freed; smaller ones stay
+in the heap).
 
-The model (``plan``; every term per rank, bytes; P: parameters, T: trainable ones)::
+What is predicted is the run's own memory: on CPU the peak *anonymous* memory, not RSS: the
+pages of a memory-mapped checkpoint that backs frozen weights are file pages, shared with the
+page cache and dropped under pressure (``mapped`` reports them apart). The model (``plan``;
+per rank, bytes; P parameters, T trainable ones, N = micro-batch x sequence tokens)::
 
-    weights     = (P - T) x frozen bytes (4 fp32 | 2 bf16 | 0.516 NF4 + double quant) + T x 4   (LoRA)
-                  P x (4 | 2)                                                                (full)
+    weights     = full FT: P x (4 | 2): the optimizer writes every weight (copy-on-write pages
+                  of a mapped checkpoint become the process's own);
+                  LoRA: T x 4 + 4-bit codes (0.516 bytes per quantized weight) + the frozen
+                  weights the system copies (4 | 2 bytes; none where ``frozen_mapped``)
                   / ranks at ZeRO-3, plus two gathered layers
-    gradients   = T x (4 | 2 for bf16 full FT)                        / ranks at ZeRO >= 2
+    gradients   = T x (4 | 2 for bf16 full FT)                               / ranks at ZeRO >= 2
     optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
-    activations = act_scale x tokens x (saved x act bytes + head + transient)
-        saved = layers x layer_saved            (no GC)
-              | layers x hidden + layer_saved   (GC: each layer's input; one layer recomputed)
-        head  = 4 x (hidden (x2 trained) + (3 + logits held) x vocab)  (loss in fp32: log-softmax
-                output, then two (N, V) gradients)
-        transient = (2 ffn + 2 hidden) x act bytes (one layer's backward)
-    overhead    = base (framework imported) + extra + (ckpt_kept [+ qlora_kept]) x fp32 checkpoint bytes
-    peak        = weights + optimizer + overhead + gradients + (overlap for full FT | 1) x activations
+    activations = LoRA: act_scale x (N x (saved x act bytes + head + transient) + one dequantized weight)
+                        + deq_kept x every quantized weight in fp32 (a lazy graph that keeps them)
+                  full FT: emb_copies x the embedding table (the lookup's backward makes dense
+                        (V, E) gradients while every other gradient exists; the activations
+                        are freed by then)
+        saved = layers x layer_saved | layers x hidden + layer_saved (GC)
+        head  = 4 x (hidden (x2 trained) + head_nv x vocab): the (N, V) tensors at the head's backward
+                (log-softmax output and two gradients; transformers' caller also holds the logits)
+        transient = (5 ffn + 2 hidden) x act bytes (SwiGLU's backward: incoming gradient, sigmoid,
+                    products, both input gradients; the residual stream's two)
+    retained    = heap x (one layer's forward allocations + the head's four (N, V) tensors
+                  + QLoRA: one layer's weights dequantized twice (forward and backward))
+                  + heap_layers x layers x one layer's forward allocations (the heap grows by layer)
+                  + full FT: full_heap x the counted activations
+                  each tensor counted only below the system's ``heap_ceiling_mb`` (glibc: the
+                  freed heap is kept, what was mmapped is returned)
+    overhead    = base (framework imported) + load (the model's code: backend, transformers,
+                  peft) [+ load_4bit]
+    peak        = weights + gradients + optimizer + activations + retained + overhead
 
-``overlap`` < 1: full FT's gradients are made while the backward pass frees activations, so
-not all of both are alive at once. The per-system constants (``SYSTEMS``) were measured on the
-methods bench (docs/planning.md).
+``SYSTEMS`` holds per system what was measured (``base_mb``, ``load_mb``; torch's ``act_scale``
+with glibc's heap retention turned off), counted (``emb_copies``, the tensors of ``layer_saved``)
+or fitted on the methods bench (``validate.FITTED``): docs/planning.md.
 """
 
 from __future__ import annotations
@@ -40,51 +59,70 @@ STAGES = (0, 2, 3)
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2_PROJ = ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj")
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes, an 8-bit absmax per 64, an fp32 scale per 256 blocks
+GLIBC_MMAP_MAX_MB = 32.0  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the dynamic threshold's ceiling
 
 
 @dataclass(frozen=True)
 class System:
-    """What a training system keeps beyond the model's tensors.
+    """What a training system holds beyond the model's tensors (module docstring).
 
-    ``base_mb``: private memory with the framework imported and no model (the bench's
-    ``baseline_private_mb``); ``extra_mb``: a constant above it once a model trains (the
-    autograd engine, thread pools, kernels' workspaces); ``ckpt_kept``: bytes kept per byte of
-    the fp32 checkpoint (the loader's pages and copies the process still holds: a memory-mapped
-    safetensors file's touched pages are private until unmapped); ``act_scale``: measured over
-    counted activations (1: exactly the tensors of ``layer_saved`` and the head);
-    ``overlap``: full FT, the share of the activations alive with all the gradients (freed as
-    the backward pass makes gradients); ``qlora_kept``: bytes per fp32 checkpoint byte a 4-bit
-    model keeps from loading (quantization reads the fp32 weights); ``silu_saved``,
-    ``norm_saved``, ``attn_probs``: tensors SwiGLU keeps (ours-torch: gate and up, a custom
-    function; transformers: gate, silu(gate), up; Jittor's lazy graph: its intermediates), per
-    RMSNorm (hidden widths), and (heads x T) attention matrices per token (0: a fused SDPA)."""
+    Measured: ``base_mb``, anonymous memory with the framework imported and no model (the
+    bench's ``baseline_anon_mb``); ``load_mb`` (``load_4bit_mb``), what building a model adds
+    on a model of negligible size (the backend's or transformers' and peft's modules; the
+    4-bit path's): tiny-llama's rows. Physical: ``frozen_mapped``, frozen fp32 weights stay
+    the checkpoint's memory-mapped file pages (ours-torch's Llama loader, transformers);
+    ``emb_copies``, dense (V, E) buffers the embedding's backward makes at the end of the
+    backward pass (2 in torch, read off a trace); ``heap_ceiling_mb``, tensors at or above it
+    are returned to the OS when freed (glibc's 32 MB; None: the allocator caches every size);
+    ``silu_saved``, ``norm_saved``, ``attn_probs``, ``head_nv``, ``lora_outs``: tensors SwiGLU
+    keeps (ours-torch: gate and up, a custom function; transformers: gate, silu(gate), up;
+    Jittor's lazy graph: its intermediates), per RMSNorm (hidden widths), (heads x T) attention
+    matrices per token (0: a fused SDPA), (N, V) tensors alive at the head's backward (torch:
+    log-softmax's output and two gradients; transformers' caller holds the logits too; Jittor:
+    1, its fused graph, chosen among the counts 1-3 by the bench) and output-wide tensors per
+    LoRA projection. ``act_scale``: live activations over counted (torch systems: measured with
+    glibc's mmap threshold fixed at 128 kB, so that freed memory is returned; Jittor: fitted);
+    fitted on the methods bench (``validate.FITTED``): ``heap`` and ``heap_layers`` (retained
+    bytes per byte of one layer's heap allocations, once and per layer), ``full_heap`` (full FT:
+    retained share of the activations), ``deq_kept_gc`` (Jittor QLoRA with GC: dequantized
+    weights kept; ``deq_kept`` without GC: 1, every one, as its lazy graph holds them)."""
 
     name: str
     base_mb: float
-    extra_mb: float
-    ckpt_kept: float = 0.0
+    load_mb: float
+    load_4bit_mb: float = 0.0
+    frozen_mapped: bool = False
     act_scale: float = 1.0
-    overlap: float = 1.0
-    qlora_kept: float = 0.0
+    heap: float = 0.0
+    heap_layers: float = 0.0
+    full_heap: float = 1.0
+    emb_copies: float = 2.0
+    deq_kept: float = 0.0
+    deq_kept_gc: float = 0.0
+    heap_ceiling_mb: float | None = GLIBC_MMAP_MAX_MB
     silu_saved: int = 2
     norm_saved: int = 1
     attn_probs: int = 0
-    logits_alive: int = 0  # logits (N, V) held by the caller through the backward pass
+    head_nv: int = 3
+    lora_outs: int = 1  # output-wide tensors a LoRA layer's forward allocates (1: ours-torch's fused addmm)
     note: str = ""
 
 
-# Measured on the CPU bench (docs/planning.md, docs/bench/lm_methods_*.json): base_mb is the
-# bench's baseline_private_mb; extra_mb, ckpt_kept, act_scale, overlap and qlora_kept are a
-# least-squares fit to its rows (two shapes, 12 rows per system; the fit is described in docs/planning.md).
+# Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
+# the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
 SYSTEMS: dict[str, System] = {
-    "ours-torch": System("ours-torch", 147.0, 132.9, 0.433, 0.517, 0.573, 0.646, 2, 1, 0, 0,
-                         "PyTorch CPU, backends.torch"),
-    "ours-jittor": System("ours-jittor", 20.0, 169.5, 0.224, 1.509, 0.850, 0.671, 4, 3, 2, 0,
-                          "Jittor CPU, backends.jittor"),
-    "hf-peft": System("hf-peft", 146.0, 177.4, 0.382, 0.966, 0.924, 1.015, 3, 1, 0, 1,
-                      "transformers + peft, PyTorch CPU"),
-    "gpu": System("gpu", 500.0, 0.0, 0.0, 1.1, 1.0, 0.0, 2, 1, 0, 0,
-                  "assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the activations"),
+    "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=45.0, frozen_mapped=True,
+                         act_scale=0.82, heap=0.613, heap_layers=0.188, full_heap=0.236,
+                         note="PyTorch CPU, backends.torch"),
+    "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
+                          emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
+                          head_nv=1, lora_outs=2, note="Jittor CPU, backends.jittor"),
+    "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, frozen_mapped=True, act_scale=0.79, heap=0.227,
+                      heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,
+                      note="transformers + peft, PyTorch CPU"),
+    "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None,
+                  note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
+                       "activations, full FT's activations alive with its gradients"),
 }  # fmt: skip
 
 
@@ -149,8 +187,9 @@ class PlanConfig:
 
 @dataclass
 class Plan:
-    """A prediction (MB per rank): the peak and its parts (module docstring); ``per_layer``:
-    one layer's saved activations by what keeps them."""
+    """A prediction (MB per rank): the peak and its parts (module docstring); ``mapped``: frozen
+    weights left as the checkpoint's file pages (in RSS, not in the peak); ``per_layer``: one
+    layer's saved activations by what keeps them."""
 
     weights: float
     gradients: float
@@ -158,6 +197,8 @@ class Plan:
     activations: float
     overhead: float
     peak: float = 0.0
+    retained: float = 0.0
+    mapped: float = 0.0
     per_layer: dict[str, float] = field(default_factory=dict)
     per_layer_gc: float = 0.0
     per_layer_nogc: float = 0.0
@@ -234,45 +275,97 @@ def _params(a: Arch, c: PlanConfig) -> tuple[int, int, int]:
     return total + lora, lora, a.layers * proj if c.method == "qlora" else 0
 
 
-def plan(cfg, c: PlanConfig) -> Plan:
-    """The per-rank peak of one training run (module docstring); ``cfg`` a model config."""
-    a, sysm = arch_of(cfg), SYSTEMS[c.system]
-    per_layer = layer_saved(a, c, sysm)  # refuses unknown targets first
-    total, trainable, quantized = _params(a, c)
+def layer_allocs(a: Arch, c: PlanConfig, lora_outs: int = 1) -> dict[int, float]:
+    """Elements per token one layer's forward pass allocates (saved or freed), by tensor width:
+    an estimate read off the ops. Llama: RMSNorm 3 x hidden each (x^2, normalised, scaled), the
+    q/k/v/o outputs, RoPE's products and half-rotations (4 per q/k width), SDPA's inputs and
+    output laid out, the residual adds, SwiGLU's gate, up, silu and product (4 ffn); GPT-2 the
+    same with q = kv = hidden and GELU's products; LoRA: r and ``lora_outs`` outputs per adapted
+    projection (ours-torch: 1, the fused addmm; jittor: 2, the scaled product and the sum; peft: 3,
+    the B product, its scaling and the sum)."""
+    E, q, kv, F = a.hidden, a.q, a.kv, a.ffn
+    out: dict[int, float] = {}
+    for width, n in ((E, 11), (q, 9), (kv, 10), (F, 4)) if a.kind == "llama" else ((E, 32), (F, 3)):
+        out[width] = out.get(width, 0) + n
+    if c.method != "full":
+        for t in c.targets:
+            width = a.proj[t][1]
+            out[width] = out.get(width, 0) + lora_outs
+            out[c.r] = out.get(c.r, 0) + 1
+    return out
+
+
+def _below(nbytes: float, ceiling_mb: float | None) -> bool:
+    return ceiling_mb is None or nbytes < ceiling_mb * MB
+
+
+def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, quantized: int):
+    """Weights (the process's own bytes, and the mapped file pages), gradients, optimizer state."""
     bf16 = c.precision == "bf16"
     wb = 2 if bf16 else 4  # bytes of a weight as held (frozen; full FT's working copy)
     frozen = total - trainable
+    mapped = 0.0
     if c.method == "full":
         weights, grad_b, opt_b = total * wb, wb, 8 + (4 if bf16 else 0)  # bf16: fp32 master in the optimizer
-    else:  # adapters in fp32 (peft upcasts them), frozen base as held or 4-bit
-        weights = (frozen - quantized) * wb + quantized * NF4_BYTES + trainable * 4
+    else:  # adapters in fp32 (peft upcasts them), frozen base as held (or mapped) or 4-bit
+        held = (frozen - quantized) * wb
+        mapped = held if sysm.frozen_mapped and not bf16 else 0.0  # a bf16 copy is the process's own
+        weights = held - mapped + quantized * NF4_BYTES + trainable * 4
         grad_b, opt_b = 4, 8
     shard_go = c.ranks if c.zero >= 2 else 1
-    gradients = trainable * grad_b / shard_go
-    optimizer = trainable * opt_b / shard_go
     if c.zero == 3:  # sharded, and one layer gathered at a time
         layer_bytes = sum(i * o for i, o in a.proj.values()) * (NF4_BYTES if quantized else wb)
         # the layer computed and the next prefetched, whole (their own shard counted already)
         weights = weights / c.ranks + min(2, a.layers) * layer_bytes * (1 - 1 / c.ranks)
-    ab = 2 if bf16 else 4
-    tokens = c.batch * c.seq
+    return weights, mapped, trainable * grad_b / shard_go, trainable * opt_b / shard_go
+
+
+def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantized: int):
+    """Live activations at the peak, the retained heap, and the counted parts (bytes)."""
+    ab = 2 if c.precision == "bf16" else 4
+    N, ceil = c.batch * c.seq, sysm.heap_ceiling_mb
     nogc = sum(per_layer.values())
     saved = a.layers * a.hidden + nogc if c.gc else a.layers * nogc  # GC: each layer's input, one layer recomputed
     # LM head and loss (fp32): the final norm's input (and the head's, trained), log-softmax's
     # output (+ the logits where the caller holds them), then two (N, V) gradients
-    head = 4 * (a.hidden * (2 if c.method == "full" else 1) + (3 + sysm.logits_alive) * a.vocab)
-    transient = (2 * a.ffn + 2 * a.hidden) * ab  # one layer's backward: its widest gradients
-    quant_tmp = max(i * o for i, o in a.proj.values()) * 4 if quantized else 0  # one dequantized weight
-    activations = sysm.act_scale * (tokens * (saved * ab + head + transient) + quant_tmp)
-    base = (sysm.base_mb if c.overhead_mb is None else c.overhead_mb) * MB
-    ckpt = 4 * (total - (trainable if c.method != "full" else 0))  # the checkpoint's fp32 bytes
-    overhead = base + sysm.extra_mb * MB + (sysm.ckpt_kept + (sysm.qlora_kept if quantized else 0)) * ckpt
-    # full FT frees activations as the backward pass makes gradients: a share overlaps them all
-    dynamic = gradients + (sysm.overlap if c.method == "full" else 1.0) * activations
-    peak = weights + optimizer + overhead + dynamic
+    head = 4 * (a.hidden * (2 if c.method == "full" else 1) + sysm.head_nv * a.vocab)
+    transient = (5 * a.ffn + 2 * a.hidden) * ab  # SwiGLU's backward: its gradient, sigmoid, products, both grads
+    counted = N * (saved * ab + head + transient)
+    proj = [i * o for i, o in a.proj.values()]
+    if c.method == "full":  # the embedding's backward, once the activations are freed
+        live = sysm.emb_copies * a.vocab * a.hidden * (2 if c.precision == "bf16" else 4)
+    else:
+        quant_tmp = max(proj) * 4 if quantized else 0  # one dequantized weight
+        live = sysm.act_scale * (counted + quant_tmp)
+        live += (sysm.deq_kept_gc if c.gc else sysm.deq_kept) * 4 * quantized
+    # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
+    # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
+    layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs).items() if _below(N * w * ab, ceil))
+    nv = 4 * N * a.vocab
+    heap = layer + (4 * nv if _below(nv, ceil) else 0)
+    heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized else 0
+    retained = sysm.heap * heap + sysm.heap_layers * a.layers * layer  # and it grows by layer
+    if c.method == "full":  # activations freed in the heap stay with the gradients
+        kept = N * (saved * ab + transient) + (N * head if _below(nv, ceil) else 0)
+        retained += sysm.full_heap * kept
+    return live, retained, saved, head
+
+
+def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
+    """The per-rank peak of one training run (module docstring); ``cfg`` a model config;
+    ``sysm``: a ``System`` in place of ``SYSTEMS[c.system]`` (fitting its constants)."""
+    a, sysm = arch_of(cfg), sysm or SYSTEMS[c.system]
+    per_layer = layer_saved(a, c, sysm)  # refuses unknown targets first
+    total, trainable, quantized = _params(a, c)
+    weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized)
+    live, retained, saved, head = _activations(a, c, sysm, per_layer, quantized)
+    base = sysm.base_mb if c.overhead_mb is None else c.overhead_mb
+    overhead = (base + sysm.load_mb + (sysm.load_4bit_mb if quantized else 0)) * MB
+    peak = weights + gradients + optimizer + live + retained + overhead
     flops, note = flops_per_token(cfg, a, c, total, trainable)
-    return Plan(weights / MB, gradients / MB, optimizer / MB, activations / MB, overhead / MB, peak / MB,
-                {k: v * tokens * ab / MB for k, v in per_layer.items()},
+    ab, tokens, nogc = (2 if c.precision == "bf16" else 4), c.batch * c.seq, sum(per_layer.values())
+    return Plan(weights / MB, gradients / MB, optimizer / MB, live / MB, overhead / MB, peak / MB, retained / MB,
+                mapped / MB, {k: v * tokens * ab / MB for k, v in per_layer.items()},
                 a.hidden * ab * tokens / MB, nogc * ab * tokens / MB, tokens * head / MB,
                 total, trainable, flops, note)  # fmt: skip
 
@@ -309,7 +402,9 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
              f"  {'optimizer state':22s} {p.optimizer:10.1f} MB",
              f"  {'activations':22s} {p.activations:10.1f} MB",
+             f"  {'allocator retention':22s} {p.retained:10.1f} MB",
              f"  {'framework overhead':22s} {p.overhead:10.1f} MB",
+             f"memory-mapped frozen weights {p.mapped:.1f} MB (checkpoint file pages: in RSS, not in the peak)",
              f"activations of one layer: {p.per_layer_nogc:.1f} MB without GC, {p.per_layer_gc:.1f} MB with GC "
              f"(its input); LM head and loss {p.head:.1f} MB"]  # fmt: skip
     lines += [f"    {k:36s} {v:8.1f} MB" for k, v in p.per_layer.items() if v]
@@ -349,11 +444,15 @@ def resolve_model(spec: str):
 BENCH_TARGETS, BENCH_R = ("q_proj", "k_proj", "v_proj", "o_proj"), 8  # examples.lm.bench_systems
 
 
-def bench_plan(shape: str, layers: int | None, batch: int, block: int, system: str, method: str) -> Plan:
-    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``, ...)."""
+def bench_plan(
+    shape: str, layers: int | None, batch: int, block: int, system: str, method: str, vocab: int | None = None
+) -> Plan:
+    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``, ...);
+    ``layers``, ``vocab``: the bench's overrides of the preset (None: the preset's)."""
     from ..models.llama import llama_config
 
-    cfg = llama_config(shape, **({"num_hidden_layers": layers} if layers else {}))
+    over = {"num_hidden_layers": layers, "vocab_size": vocab}
+    cfg = llama_config(shape, **{k: v for k, v in over.items() if v})
     c = PlanConfig(method=method.removesuffix("-gc"), targets=BENCH_TARGETS, r=BENCH_R, gc=method.endswith("-gc"),
                    batch=batch, seq=block, system=system)  # fmt: skip
     return plan(cfg, c)

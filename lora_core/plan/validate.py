@@ -1,0 +1,172 @@
+"""The memory planner against the methods bench: every row of ``examples.lm.bench --methods``'s
+JSON files (``docs/bench/lm_methods_*.json``) predicted and compared with its measured peak
+anonymous memory, and the fit of the planner's few fitted constants (docs/planning.md).
+
+Command::
+
+    python -m lora_core.plan.validate docs/bench/lm_methods_*.json          # the table, per-shape max |error|
+    python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json    # least-squares constants
+    python -m lora_core.plan.validate --fit --hold-out llama-3.2-1b docs/bench/lm_methods_*.json
+
+The planner is linear in its fitted constants (``FITTED``), so one feature per constant is the
+change of the predicted peak when that constant goes from 0 to 1; ``fit`` solves the least
+squares of ``measured - prediction with them at 0`` on those features, per system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .memory import BENCH_R, BENCH_TARGETS, SYSTEMS, PlanConfig, System, plan
+
+FITTED = {"ours-torch": ("heap", "heap_layers", "full_heap"), "hf-peft": ("heap", "heap_layers", "full_heap"),
+          "ours-jittor": ("act_scale", "heap", "deq_kept_gc")}  # fmt: skip
+LAWSON_STEPS = 200
+# rows measured before a change of the code they measure: not compared (file, row key) -> why
+SUPERSEDED = {
+    (name, key): "measured before cbcb1fc (ours-torch's 4-bit loader keeps the unquantized weights mapped)"
+    for name in ("lm_methods_llama-bench_47cd83e.json", "lm_methods_llama-bench_808cca0.json",
+                 "lm_methods_llama-bench-L4-b4x128_808cca0.json")
+    for key in ("ours-torch qlora", "ours-torch qlora-gc")
+}  # fmt: skip
+
+# rows the planner misses by 10% to OUTSIDE_BOUND %: hf-peft's three fitted constants cannot hold
+# all its rows within 10% (the minimax fit leaves 10.6%; the same rows measured at three code
+# versions spread by 2-5%); docs/planning.md
+OUTSIDE_BOUND = 12.0
+OUTSIDE = {
+    ("lm_methods_llama-3.2-1b_a1add64.json", "hf-peft lora-gc"), ("lm_methods_llama-3.2-1b_a1add64.json", "hf-peft qlora"),
+    ("lm_methods_llama-bench_808cca0.json", "hf-peft lora-gc"), ("lm_methods_llama-bench_a1add64.json", "hf-peft lora-gc"),
+}  # fmt: skip
+
+
+def shape_label(s: dict) -> str:
+    """``llama-bench L4 4x128``: the preset, its overrides and the batch."""
+    over = (f" L{s['layers']}" if s.get("layers") else "") + (f" V{s['vocab']}" if s.get("vocab") else "")
+    return f"{s['shape']}{over} {s['batch']}x{s['block']}"
+
+
+def bench_rows(paths) -> list[dict]:
+    """Every measured training row of the bench JSONs: file, code, shape, system, method,
+    measured peak anonymous MB (rows in ``SUPERSEDED`` or without a measurement left out)."""
+    out = []
+    for path in map(Path, paths):
+        d = json.loads(path.read_text())
+        s = d["settings"]
+        for key, runs in d["raw"].items():
+            system, _, method = key.partition(" ")
+            anon = [r["train_peak_anon_mb"] for r in runs if r.get("train_peak_anon_mb") is not None]
+            if not anon or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
+                continue
+            out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s,
+                        "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip
+    return out
+
+
+def predict(row: dict, sysm: System | None = None) -> float:
+    """The planner's peak (MB) for a bench row, with ``sysm`` in place of the row's system."""
+    from ..models.llama import llama_config
+
+    s = row["settings"]
+    over = {"num_hidden_layers": s.get("layers"), "vocab_size": s.get("vocab")}
+    cfg = llama_config(s["shape"], **{k: v for k, v in over.items() if v})
+    m = row["method"]
+    c = PlanConfig(method=m.removesuffix("-gc"), targets=BENCH_TARGETS, r=BENCH_R, gc=m.endswith("-gc"),
+                   batch=s["batch"], seq=s["block"], system=row["system"])  # fmt: skip
+    return plan(cfg, c, sysm).peak
+
+
+def check(rows: list[dict]) -> list[dict]:
+    """Each row with ``predicted`` (MB) and ``error_pct`` against its measurement."""
+    out = []
+    for r in rows:
+        pred = predict(r)
+        out.append(dict(r, predicted=pred, error_pct=100 * (pred - r["measured"]) / r["measured"]))
+    return out
+
+
+def fit(rows: list[dict], system: str) -> dict[str, float]:
+    """Values of ``FITTED[system]`` over ``rows`` of that system that minimise the largest
+    relative error (each row's equation divided by its measurement; Lawson's iteratively
+    reweighted least squares, starting from the plain least squares)."""
+    names, base = FITTED[system], SYSTEMS[system]
+    zero = dataclasses.replace(base, **{n: 0.0 for n in names})
+    rs = [r for r in rows if r["system"] == system]
+    x0 = np.array([predict(r, zero) for r in rs])
+    X = np.stack([np.array([predict(r, dataclasses.replace(zero, **{n: 1.0})) for r in rs]) - x0 for n in names], 1)
+    y = np.array([r["measured"] for r in rs])
+    A, b = X / y[:, None], (y - x0) / y
+    w = np.full(len(y), 1.0 / len(y))
+    for _ in range(LAWSON_STEPS):  # Lawson's reweighting: weighted least squares -> the minimax fit
+        coef, *_ = np.linalg.lstsq(A * np.sqrt(w)[:, None], b * np.sqrt(w), rcond=None)
+        w = w * np.abs(A @ coef - b) + 1e-12
+        w /= w.sum()
+    return dict(zip(names, coef.tolist()))
+
+
+def fitted(rows: list[dict]) -> dict[str, System]:
+    """``SYSTEMS`` with the constants of ``FITTED`` fitted on ``rows``."""
+    return {**SYSTEMS, **{s: dataclasses.replace(SYSTEMS[s], **fit(rows, s)) for s in FITTED}}
+
+
+def leave_one_shape_out(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per shape, the constants fitted on every other shape's rows: the held-out rows' largest
+    |error| (%) per system."""
+    out: dict[str, dict[str, float]] = {}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        systems = fitted([r for r in rows if r["shape"] != shape])
+        for r in rows:
+            if r["shape"] == shape:
+                err = abs(predict(r, systems[r["system"]]) - r["measured"]) / r["measured"] * 100
+                out.setdefault(shape, {})[r["system"]] = max(out.get(shape, {}).get(r["system"], 0.0), err)
+    return out
+
+
+def table(checked: list[dict]) -> list[str]:
+    """Markdown rows: shape, system, method, measured, predicted, error; then per-shape max |error|."""
+    lines = [
+        "| shape (code) | system | method | measured MB | predicted MB | error % |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in checked:
+        lines.append(f"| {r['shape']} ({r['code']}) | {r['system']} | {r['method']} | {r['measured']:.0f} | "
+                     f"{r['predicted']:.0f} | {r['error_pct']:+.1f} |")  # fmt: skip
+    worst: dict[str, float] = {}
+    for r in checked:
+        k = f"{r['shape']} ({r['file']})"
+        worst[k] = max(worst.get(k, 0.0), abs(r["error_pct"]))
+    return lines + [""] + [f"max |error| {v:4.1f}%  {k}" for k, v in worst.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lora_core.plan.validate", description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="+", type=Path, help="methods bench JSONs (docs/bench/lm_methods_*.json)")
+    p.add_argument("--fit", action="store_true", help="fit the constants of FITTED on the rows (not held out)")
+    p.add_argument("--hold-out", default="", help="comma-separated shape labels or file names left out of the fit")
+    p.add_argument("--loso", action="store_true", help="leave one shape out: fit on the others, report its error")
+    args = p.parse_args(argv)
+    rows = bench_rows(args.paths)
+    held = {h for h in args.hold_out.split(",") if h}
+    if args.loso:
+        for shape, errs in leave_one_shape_out([r for r in rows if r["shape"] not in held]).items():
+            print(f"held out {shape:28s} " + "  ".join(f"{k} {v:4.1f}%" for k, v in errs.items()))
+    if args.fit:
+        systems = fitted([r for r in rows if r["shape"] not in held and r["file"] not in held])
+        for system in FITTED:
+            print(f"{system}: " + ", ".join(f"{k} {getattr(systems[system], k):.3f}" for k in FITTED[system]))
+        SYSTEMS.update(systems)
+    checked = check(rows)
+    for r in checked:
+        r["shape"] += " held out" if (r["shape"] in held or r["file"] in held) else ""
+    print("\n".join(table(checked)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
