@@ -46,6 +46,9 @@ def test_lora_trainable_and_frozen_bytes():
     assert b.weights * MB == 2 * frozen + 4 * lora and b.mapped == 0
     f = plan(cfg, PlanConfig(method="full", batch=1, seq=8))  # the optimizer writes every page
     assert f.weights * MB == 4 * frozen and f.mapped == 0
+    g = dict(method="lora", targets=("c_attn",), r=4, batch=1, seq=8)  # ours' GPT-2 loader copies (transposed)
+    gpt2 = GPT2_PRESETS["gpt2"]
+    assert plan(gpt2, PlanConfig(**g)).mapped == 0 and plan(gpt2, PlanConfig(**g, system="hf-peft")).mapped > 400
 
 
 def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():

@@ -19,7 +19,7 @@ per rank, bytes; P parameters, T trainable ones, N = micro-batch x sequence toke
     weights     = full FT: P x (4 | 2): the optimizer writes every weight (copy-on-write pages
                   of a mapped checkpoint become the process's own);
                   LoRA: T x 4 + 4-bit codes (0.516 bytes per quantized weight) + the frozen
-                  weights the system copies (4 | 2 bytes; none where ``frozen_mapped``)
+                  weights the system copies (4 | 2 bytes; none for ``mapped_kinds``)
                   / ranks at ZeRO-3, plus two gathered layers
     gradients   = T x (4 | 2 for bf16 full FT)                               / ranks at ZeRO >= 2
     optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
@@ -69,8 +69,9 @@ class System:
     Measured: ``base_mb``, anonymous memory with the framework imported and no model (the
     bench's ``baseline_anon_mb``); ``load_mb`` (``load_4bit_mb``), what building a model adds
     on a model of negligible size (the backend's or transformers' and peft's modules; the
-    4-bit path's): tiny-llama's rows. Physical: ``frozen_mapped``, frozen fp32 weights stay
-    the checkpoint's memory-mapped file pages (ours-torch's Llama loader, transformers);
+    4-bit path's): tiny-llama's rows. Physical: ``mapped_kinds``, the model kinds whose frozen
+    fp32 weights stay the checkpoint's memory-mapped file pages (ours-torch's Llama loader;
+    transformers' safetensors loading; ours-torch's GPT-2 loader copies them, transposed);
     ``emb_copies``, dense (V, E) buffers the embedding's backward makes at the end of the
     backward pass (2 in torch, read off a trace); ``heap_ceiling_mb``, tensors at or above it
     are returned to the OS when freed (glibc's 32 MB; None: the allocator caches every size);
@@ -91,7 +92,7 @@ class System:
     base_mb: float
     load_mb: float
     load_4bit_mb: float = 0.0
-    frozen_mapped: bool = False
+    mapped_kinds: tuple[str, ...] = ()
     act_scale: float = 1.0
     heap: float = 0.0
     heap_layers: float = 0.0
@@ -111,13 +112,13 @@ class System:
 # Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
 # the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
 SYSTEMS: dict[str, System] = {
-    "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=45.0, frozen_mapped=True,
+    "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=45.0, mapped_kinds=("llama",),
                          act_scale=0.82, heap=0.613, heap_layers=0.188, full_heap=0.236,
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, note="Jittor CPU, backends.jittor"),
-    "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, frozen_mapped=True, act_scale=0.79, heap=0.227,
+    "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.79, heap=0.227,
                       heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,
                       note="transformers + peft, PyTorch CPU"),
     "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None,
@@ -309,7 +310,7 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         weights, grad_b, opt_b = total * wb, wb, 8 + (4 if bf16 else 0)  # bf16: fp32 master in the optimizer
     else:  # adapters in fp32 (peft upcasts them), frozen base as held (or mapped) or 4-bit
         held = (frozen - quantized) * wb
-        mapped = held if sysm.frozen_mapped and not bf16 else 0.0  # a bf16 copy is the process's own
+        mapped = held if a.kind in sysm.mapped_kinds and not bf16 else 0.0  # a bf16 copy is the process's own
         weights = held - mapped + quantized * NF4_BYTES + trainable * 4
         grad_b, opt_b = 4, 8
     shard_go = c.ranks if c.zero >= 2 else 1
