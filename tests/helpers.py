@@ -68,3 +68,25 @@ def toy_train_args(toy: dict, out_dir, steps: int, settings: list[str], *extra: 
         "--vocab-size", str(toy["vocab_size"]), *extra, "--max-steps", str(steps), "--no-progress",
         "--out-dir", str(out_dir), "--set", *settings,
     ]  # fmt: skip
+
+
+def write_toy_sst2(folder, sizes=(("train", 32), ("dev", 8))) -> None:
+    """Prepared SST-2-like splits under ``folder/sst2`` (``examples.cls.prepare``'s form): each
+    label draws its token ids from its own range, so a classifier can learn it."""
+    from lora_core.data.nlg import write_jsonl_atomic
+
+    rng = np.random.default_rng(0)
+    for split, n in sizes:
+        rows = []
+        for _ in range(n):
+            label = int(rng.integers(0, 2))
+            rows.append({"ids": [1, *rng.integers(8 + 2 * label, 10 + 2 * label, 5).tolist(), 2], "label": label})
+        write_jsonl_atomic(folder / "sst2" / f"{split}.jsonl", rows)
+
+
+def cls_train_argv(data, backend: str, out, *extra: str) -> list[str]:
+    """``examples.cls.train`` arguments for a 4-update run of the demo recipe on ``data``
+    (``base/`` and ``sst2/``)."""
+    return ["--backend", backend, "--recipe", "sst2-demo", "--prepared", str(data / "sst2"), "--base",
+            str(data / "base"), "--out-dir", str(out), "--no-progress", "--max-steps", "4", *extra,
+            "--set", "train.batch_size=8", "train.lr=1e-2", "train.log_every=1", "train.save_every=4"]  # fmt: skip

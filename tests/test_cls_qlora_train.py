@@ -11,11 +11,10 @@ import json
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, cls_train_argv, write_toy_sst2
 
 from examples.cls import evaluate as cls_eval
 from examples.cls import train as cls_cli
-from lora_core.data.nlg import write_jsonl_atomic
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
 from lora_core.models.distilbert import HEAD_KEYS, DistilBertConfig, init_weights
 from lora_core.train.full_ft import hf_config
@@ -32,20 +31,11 @@ def cls_data(tmp_path_factory):
     cfg = DistilBertConfig(vocab_size=64, max_position_embeddings=32, dim=64, n_layers=2, n_heads=2, hidden_dim=128)
     w = {k: v for k, v in init_weights(cfg, seed=0).items() if k not in HEAD_KEYS}
     write_hf_checkpoint(d / "base", hf_config(cfg), w)
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 32), ("dev", 8)):
-        rows = []
-        for _ in range(n):
-            label = int(rng.integers(0, 2))
-            rows.append({"ids": [1, *rng.integers(8 + 2 * label, 10 + 2 * label, 5).tolist(), 2], "label": label})
-        write_jsonl_atomic(d / "sst2" / f"{split}.jsonl", rows)
+    write_toy_sst2(d, (("train", 32), ("dev", 8)))
     return d
 
 
-def _argv(cls_data, backend: str, out, *extra) -> list[str]:
-    return ["--backend", backend, "--recipe", "sst2-demo", "--prepared", str(cls_data / "sst2"), "--base",
-            str(cls_data / "base"), "--out-dir", str(out), "--no-progress", "--max-steps", "4", *extra,
-            "--set", "train.batch_size=8", "train.lr=1e-2", "train.log_every=1", "train.save_every=4"]  # fmt: skip
+_argv = cls_train_argv
 
 
 def _run(cls_data, backend: str, *extra) -> np.ndarray:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import pytest
+from helpers import cls_train_argv, write_toy_sst2
 
 from examples.cls import train as cls_cli
 from examples.run_options import add_run_options, apply_run_options
-from lora_core.data.nlg import write_jsonl_atomic
 from lora_core.train.recipes import TrainConfig
 from lora_core.train.run_dir import read_log
 
@@ -51,13 +50,7 @@ def cls_data(tmp_path_factory):
                                         max_position_embeddings=32, dropout=0.1, attention_dropout=0.1)
     torch.manual_seed(0)
     transformers.DistilBertForMaskedLM(cfg).save_pretrained(d / "base")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 48), ("dev", 8)):
-        rows = []
-        for _ in range(n):
-            label = int(rng.integers(0, 2))
-            rows.append({"ids": [1, *rng.integers(8 + 2 * label, 10 + 2 * label, 5).tolist(), 2], "label": label})
-        write_jsonl_atomic(d / "sst2" / f"{split}.jsonl", rows)
+    write_toy_sst2(d, (("train", 48), ("dev", 8)))
     return d
 
 
@@ -65,9 +58,7 @@ def test_cls_grad_checkpoint_gives_the_same_loss_log(backend, cls_data, tmp_path
     logs = {}
     for gc in ((), ("--grad-checkpoint",)):
         out = tmp_path / f"run{len(gc)}"
-        argv = ["--backend", backend.NAME, "--recipe", "sst2-demo", "--prepared", str(cls_data / "sst2"), "--base",
-                str(cls_data / "base"), "--out-dir", str(out), "--no-progress", "--max-steps", "4", *gc,
-                "--set", "train.batch_size=8", "train.lr=1e-2", "train.log_every=1", "train.save_every=4"]
+        argv = cls_train_argv(cls_data, backend.NAME, out, *gc)
         assert cls_cli.main(argv) == 0, capsys.readouterr().err
         logs[gc] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
     assert len(logs[()]) == 4 and logs[()] == logs[("--grad-checkpoint",)]
