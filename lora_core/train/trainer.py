@@ -192,12 +192,9 @@ class Trainer:
             "data": {"n_train": len(examples), "sha256": self.task.fingerprint(examples)},
         }
 
-    def _adapter_files(self):
-        return self.files
-
     def _prepare_dir(self, pairs, resume: bool, resume_from=None):
         """Rank 0: ready the folder; returns the checkpoint to resume from (read), or None."""
-        found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self._adapter_files(), resume_from)
+        found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self.files, resume_from)
         if resume:
             truncate_log(self.out_dir, found[1][2]["step"] if found is not None else 0)
         return None if found is None else found[1]
@@ -213,7 +210,7 @@ class Trainer:
         found = comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
         ckpt = find_checkpoint(self.out_dir) if resume and not comm.world.is_main else None
         if ckpt is not None:
-            found = read_checkpoint(ckpt, self._adapter_files())
+            found = read_checkpoint(ckpt, self.files)
         if found is not None:  # on every rank at once (with ZeRO, loading is a collective)
             self._restore(*found)
 
@@ -249,12 +246,12 @@ class Trainer:
         with self._whole():
             tensors = self.task.trained_tensors(self.backend, self.model)
         return self.comm.on_main(
-            write_checkpoint, self.out_dir, s.step, self._adapter_files(), tensors, self.optimizer.state_numpy(), meta
+            write_checkpoint, self.out_dir, s.step, self.files, tensors, self.optimizer.state_numpy(), meta
         )
 
     def load_checkpoint(self, path) -> None:
         """Restore adapter, optimizer moments and position from a checkpoint folder (strict)."""
-        self._restore(*read_checkpoint(path, self._adapter_files()))
+        self._restore(*read_checkpoint(path, self.files))
 
     def _whole(self, write: bool = False):
         """Every parameter whole inside (ZeRO: gathered; ``backend.full_parameters``)."""
