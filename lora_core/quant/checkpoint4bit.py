@@ -28,7 +28,7 @@ from .qlora import QuantConfig, quant_config, quantize_while_loading
 _GPT2_PREFIX = "transformer."
 
 
-def _prequantized_config(path, qc: dict, states: dict, quantize, double_quant, compute_dtype, blocksize,
+def prequantized_config(path, qc: dict, states: dict, quantize, double_quant, compute_dtype, blocksize,
                          explicit: bool) -> QuantConfig:
     """The ``QuantConfig`` a bitsandbytes checkpoint was saved with; options given to
     ``from_pretrained`` that contradict it are refused (nothing is re-quantized)."""
@@ -108,13 +108,19 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
     wpath = find_weights(path)
     cfg_json = wpath.parent / "config.json"
     cfg, states, tensors, shapes = (_llama_raw if family == "llama" else _gpt2_raw)(wpath, cfg_json)
-    qcfg = _prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    qcfg = prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    check_4bit_shapes(wpath, states, tensors, shapes)
+    return family, cfg, states, tensors, qcfg
+
+
+def check_4bit_shapes(wpath, states: dict, tensors: dict, shapes: dict) -> None:
+    """A pre-quantized checkpoint against the model's ``shapes``: every 4-bit weight one the model
+    has, of its shape; the other tensors strictly (``check_tensors``). CheckpointError naming the file."""
     for name, st in states.items():
         if name not in shapes or tuple(st.shape) != tuple(shapes[name]):
             raise CheckpointError(f"{wpath}: {name}: a 4-bit weight of shape {list(st.shape)}, the model "
                                   f"expects {list(shapes.get(name, ())) or 'no such weight'}")
     check_tensors(wpath, tensors, {k: v for k, v in shapes.items() if k not in states})
-    return family, cfg, states, tensors, qcfg
 
 
 def gpt2_hf_config(cfg: _gpt2.GPT2Config) -> dict:
@@ -156,14 +162,24 @@ def build_4bit_model(model_classes: dict, empty_model, to_4bit, load_adapter, pa
     and the adapter folder (``load_adapter(model, adapter)``)."""
     family, cfg, states, tensors, qcfg = load_4bit_checkpoint(path, quantize, double_quant, compute_dtype, blocksize,
                                                               explicit)
-    model = empty_model(model_classes[family], cfg)
+    return assemble_4bit_model(model_classes[family], cfg, (states, tensors, qcfg), empty_model, to_4bit,
+                               load_adapter, adapter, partial=family == "llama")
+
+
+def assemble_4bit_model(model_cls, cfg, loaded: tuple, empty_model, to_4bit, load_adapter, adapter=None,
+                        partial: bool = False):
+    """A backend's 4-bit model from ``loaded = (states, tensors, qcfg)``: ``empty_model(model_cls,
+    cfg)``, its quantized layers made 4-bit (``to_4bit``), the other weights (``load_weights``,
+    strict; ``partial``: the Llama loader's form), then the adapter folder."""
+    states, tensors, qcfg = loaded
+    model = empty_model(model_cls, cfg)
     to_4bit(model, states, qcfg)
     del states
-    if family == "llama":
+    if partial:
         model.load_weights(tensors, partial=True)
     else:
         model.load_weights(tensors)
-    del tensors  # the maps: nothing of the file stays referenced
+    del tensors
     if adapter is not None:
         load_adapter(model, adapter)
     return model
@@ -209,5 +225,5 @@ def check_4bit_request(path, lora, quantize) -> bool:
     return quantize is not None
 
 
-__all__ = ["build_4bit_model", "check_4bit_request", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint",
-           "save_4bit_model", "wants_4bit"]
+__all__ = ["assemble_4bit_model", "build_4bit_model", "check_4bit_request", "check_4bit_shapes", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint",
+           "prequantized_config", "save_4bit_model", "wants_4bit"]

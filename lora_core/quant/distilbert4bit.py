@@ -16,18 +16,11 @@ from __future__ import annotations
 import os
 
 from ..formats.bnb4bit import quantization_config, split_bnb4bit
-from ..formats.checkpoint import check_tensors
 from ..formats.hf_checkpoint import find_weights, read_hf_weights
 from ..formats.tensor_files import CheckpointError
 from ..models import distilbert as _db
+from .checkpoint4bit import assemble_4bit_model, check_4bit_shapes, prequantized_config
 from .qlora import DISTILBERT_SKIP, quant_config, quantize_while_loading
-
-
-def _check_states(wpath, states: dict, shapes: dict) -> None:
-    for name, st in states.items():
-        if name not in shapes or tuple(st.shape) != tuple(shapes[name]):
-            raise CheckpointError(f"{wpath}: {name}: a 4-bit weight of shape {list(st.shape)}, the model "
-                                  f"expects {list(shapes.get(name, ())) or 'no such weight'}")
 
 
 def _prequantized(path, num_labels, head_seed):
@@ -50,9 +43,7 @@ def _prequantized(path, num_labels, head_seed):
         raise CheckpointError(f"{wpath}: holds both an MLM head {mlm} and a classification head")
     if not has_head:
         raw.update(_db.init_head(cfg, head_seed))
-    shapes = _db.base_shapes(cfg)
-    _check_states(wpath, states, shapes)
-    check_tensors(wpath, raw, {k: v for k, v in shapes.items() if k not in states})
+    check_4bit_shapes(wpath, states, raw, _db.base_shapes(cfg))
     return cfg, states, raw, wpath
 
 
@@ -71,8 +62,6 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
         CheckpointError: a damaged quant state (names the tensor and the file), missing or
             misshapen tensors.
     """
-    from .checkpoint4bit import _prequantized_config
-
     qc = quantization_config(path)
     if qc is None:
         qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
@@ -83,7 +72,7 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
             tensors.update(_db.init_head(cfg, head_seed))
         return cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
     cfg, states, tensors, _ = _prequantized(path, num_labels, head_seed)
-    qcfg = _prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    qcfg = prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
     return cfg, states, tensors, qcfg
 
 
@@ -93,16 +82,9 @@ def build_4bit_classifier(model_cls, empty_model, to_4bit, load_adapter, path, a
     """The backends' 4-bit ``distilbert_from_pretrained``: ``load_distilbert_4bit``, the model
     from the backend's ``empty_model(model_cls, cfg)``, its quantized layers made 4-bit
     (``to_4bit(model, states, qcfg)``), the other weights (strict), then the adapter folder."""
-    cfg, states, tensors, qcfg = load_distilbert_4bit(path, quantize, double_quant, compute_dtype, blocksize, explicit,
-                                                      num_labels, head_seed)
-    model = empty_model(model_cls, cfg)
-    to_4bit(model, states, qcfg)
-    del states
-    model.load_weights(tensors)
-    del tensors  # the maps: nothing of the file stays referenced
-    if adapter is not None:
-        load_adapter(model, adapter)
-    return model
+    cfg, *loaded = load_distilbert_4bit(path, quantize, double_quant, compute_dtype, blocksize, explicit, num_labels,
+                                        head_seed)
+    return assemble_4bit_model(model_cls, cfg, tuple(loaded), empty_model, to_4bit, load_adapter, adapter)
 
 
 def skip_modules(cfg, quantized) -> list[str] | None:
