@@ -72,6 +72,9 @@ def test_lm_bench_gpt2_methods_tiny(tmp_path):
     expected = [(m, s) for m in ("full", "qlora") for s in ("hf-peft", "ours-torch")]
     assert [(r["method"], r["system"]) for r in rows] == expected
     assert all(r["tok_s"] > 0 and r["private_mb"] > 0 for r in rows), rows
+    # the planner's column and the 4-bit formula cover GPT-2 (lora_core.plan.bench_plan)
+    assert all(r["predicted_mb"] > 0 for r in rows), rows
+    assert "qlora weights ours-torch:" in proc.stdout and "formula" in proc.stdout, proc.stdout
     raw = result["raw"]
     for method in ("full", "qlora"):
         ours, hf = raw[f"ours-torch {method}"][0]["loss"], raw[f"hf-peft {method}"][0]["loss"]

@@ -51,8 +51,8 @@ KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: `
 (do_sample False, no eos), after a 2-token warm-up; ``same`` says whether a system's tokens
 equal hf-peft's (or the first system's without it).
 
-On a GPT-2 shape the methods table has no planner prediction and no 4-bit weights formula line:
-``lora_core.plan.bench_plan`` and ``methods_table.qlora_weight_lines`` take Llama shapes only.
+The methods table's planner column (``lora_core.plan.bench_plan``) and 4-bit weights formula
+line (``methods_table.qlora_weight_lines``) cover both families.
 """
 
 from __future__ import annotations
@@ -384,13 +384,12 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
         ratios[f"{a} / {b}"] = row
         lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
-    # the planner's bench_plan knows the Llama presets only: GPT-2 rows get no prediction
-    methods = rows(all_med, flops, peak["peak_gflops"], None if is_gpt2(cfg) else vars(args))
+    methods = rows(all_med, flops, peak["peak_gflops"], vars(args))
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
                   f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt),
-                  *([] if is_gpt2(cfg) else qlora_weight_lines(methods, cfg, R, targets_of(cfg), _fmt))]  # fmt: skip
+                  *qlora_weight_lines(methods, cfg, R, targets_of(cfg), _fmt)]  # fmt: skip
     return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lora_core.models import gpt2, llama
+from lora_core.models import gpt2, llama, preset_config
 
 SHAPES = tuple(sorted(llama.PRESETS) + sorted(gpt2.PRESETS))
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -30,11 +30,7 @@ GPT2_TARGETS = ("attn.c_attn", "attn.c_proj")
 
 def shape_config(shape: str, layers: int | None = None, vocab: int | None = None):
     """The preset ``shape`` (``SHAPES``) with the bench's ``--layers`` / ``--vocab`` overrides."""
-    if shape in gpt2.PRESETS:
-        over = {"n_layer": layers, "vocab_size": vocab}
-        return gpt2.gpt2_config(shape, **{k: v for k, v in over.items() if v})
-    over = {"num_hidden_layers": layers, "vocab_size": vocab}
-    return llama.llama_config(shape, **{k: v for k, v in over.items() if v})
+    return preset_config(shape, layers, vocab)
 
 
 def is_gpt2(cfg) -> bool:

@@ -129,13 +129,13 @@ def qlora_weight_lines(rows_: list[dict], cfg, r: int, targets: tuple[str, ...],
     """The 4-bit weights' memory against its formula: every projection at ``NF4_BITS`` = 4.127
     bits per weight (double quantization), what stays unquantized (embeddings, norms, the LM head)
     at 32 bits, and the LoRA pair at 32 bits; one line per QLoRA row with the measured bytes."""
-    from lora_core.models.llama import base_shapes
+    from lora_core.plan.memory import arch_of
 
-    shapes = base_shapes(cfg)
-    quant = sum(s[0] * s[1] for n, s in shapes.items() if n.endswith("proj.weight"))
-    other = sum(int(__import__("math").prod(s)) for n, s in shapes.items() if not n.endswith("proj.weight"))
-    dims = {n.split(".")[-2]: s for n, s in shapes.items() if n.startswith("model.layers.0.") and n.endswith(".weight")}
-    lora = cfg.num_hidden_layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+    a = arch_of(cfg)  # the planner's reduction of the model: per-layer projections and the rest
+    quant = a.layers * sum(i * o for i, o in a.proj.values())
+    other = a.other_params + a.layers * a.layer_small
+    dims = {t: a.proj[t if t in a.proj else t.rsplit(".", 1)[-1]] for t in targets}  # GPT-2's attn.c_attn is c_attn
+    lora = a.layers * sum(r * (i + o) for i, o in dims.values())
     formula = (quant * NF4_BITS / 8 + 4 * (other + lora)) / 2**20
     out = []
     for row in rows_:

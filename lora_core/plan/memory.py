@@ -50,6 +50,7 @@ or fitted on the methods bench (``validate.FITTED``): docs/planning.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MB = 2**20
@@ -106,7 +107,15 @@ class System:
     attn_probs: int = 0
     head_nv: int = 3
     lora_outs: int = 1  # output-wide tensors a LoRA layer's forward allocates (1: ours-torch's fused addmm)
+    gelu_saved: int = 1  # GPT-2: MLP-wide tensors GELU keeps (1: its input, a fused or custom backward)
+    gelu_allocs: int = 1  # GPT-2: MLP-wide tensors GELU's forward allocates
+    family: dict = field(default_factory=dict)  # per model kind: the fields above that differ (``for_kind``)
     note: str = ""
+
+    def for_kind(self, kind: str) -> System:
+        """The system with ``family[kind]``'s counts in place of the defaults (a model family
+        built from other ops: Jittor's GPT-2 LayerNorm and attention are not its Llama's)."""
+        return dataclasses.replace(self, **self.family.get(kind, {})) if kind in self.family else self
 
 
 # Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
@@ -117,9 +126,11 @@ SYSTEMS: dict[str, System] = {
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
-                          head_nv=1, lora_outs=2, note="Jittor CPU, backends.jittor"),
+                          head_nv=1, lora_outs=2, family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
+                          note="Jittor CPU, backends.jittor"),
     "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.79, heap=0.227,
                       heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,
+                      gelu_saved=4, gelu_allocs=8,
                       note="transformers + peft, PyTorch CPU"),
     "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None,
                   note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
@@ -259,7 +270,8 @@ def layer_saved(a: Arch, c: PlanConfig, sysm: System) -> dict[str, float]:
         out["attention output (SDPA)"] = a.hidden
         out["attn.c_proj input"] = a.hidden if "attn.c_proj" in train else 0
         out["c_fc input"] = a.hidden if "c_fc" in train else 0
-        out["GELU input"] = a.ffn
+        out["attention probabilities (unfused)"] = sysm.attn_probs * a.heads * c.seq
+        out["GELU (input[, tanh, 1 + tanh, x / 2])"] = sysm.gelu_saved * a.ffn
         out["mlp.c_proj input"] = a.ffn if "mlp.c_proj" in train else 0
     if c.method != "full":
         out["LoRA A products"] = c.r * len(train)
@@ -276,7 +288,7 @@ def _params(a: Arch, c: PlanConfig) -> tuple[int, int, int]:
     return total + lora, lora, a.layers * proj if c.method == "qlora" else 0
 
 
-def layer_allocs(a: Arch, c: PlanConfig, lora_outs: int = 1) -> dict[int, float]:
+def layer_allocs(a: Arch, c: PlanConfig, lora_outs: int = 1, gelu_allocs: int = 1) -> dict[int, float]:
     """Elements per token one layer's forward pass allocates (saved or freed), by tensor width:
     an estimate read off the ops. Llama: RMSNorm 3 x hidden each (x^2, normalised, scaled), the
     q/k/v/o outputs, RoPE's products and half-rotations (4 per q/k width), SDPA's inputs and
@@ -286,7 +298,7 @@ def layer_allocs(a: Arch, c: PlanConfig, lora_outs: int = 1) -> dict[int, float]
     the B product, its scaling and the sum)."""
     E, q, kv, F = a.hidden, a.q, a.kv, a.ffn
     out: dict[int, float] = {}
-    for width, n in ((E, 11), (q, 9), (kv, 10), (F, 4)) if a.kind == "llama" else ((E, 32), (F, 3)):
+    for width, n in ((E, 11), (q, 9), (kv, 10), (F, 4)) if a.kind == "llama" else ((E, 32), (F, 2 + gelu_allocs)):
         out[width] = out.get(width, 0) + n
     if c.method != "full":
         for t in c.targets:
@@ -341,7 +353,7 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
         live += (sysm.deq_kept_gc if c.gc else sysm.deq_kept) * 4 * quantized
     # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
     # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
-    layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs).items() if _below(N * w * ab, ceil))
+    layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs, sysm.gelu_allocs).items() if _below(N * w * ab, ceil))
     nv = 4 * N * a.vocab
     heap = layer + (4 * nv if _below(nv, ceil) else 0)
     heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized else 0
@@ -355,7 +367,8 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
 def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     """The per-rank peak of one training run (module docstring); ``cfg`` a model config;
     ``sysm``: a ``System`` in place of ``SYSTEMS[c.system]`` (fitting its constants)."""
-    a, sysm = arch_of(cfg), sysm or SYSTEMS[c.system]
+    a = arch_of(cfg)
+    sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     per_layer = layer_saved(a, c, sysm)  # refuses unknown targets first
     total, trainable, quantized = _params(a, c)
     weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized)
@@ -442,18 +455,28 @@ def resolve_model(spec: str):
     raise ValueError(f"{spec!r} is neither a config.json nor a preset ({sorted(llama.PRESETS) + sorted(gpt2.PRESETS)})")
 
 
-BENCH_TARGETS, BENCH_R = ("q_proj", "k_proj", "v_proj", "o_proj"), 8  # examples.lm.bench_systems
+# examples.lm.bench_systems: LoRA r 8 on Llama's attention projections, on GPT-2's c_attn and attn.c_proj
+BENCH_TARGETS, GPT2_BENCH_TARGETS, BENCH_R = ("q_proj", "k_proj", "v_proj", "o_proj"), ("c_attn", "attn.c_proj"), 8
 
 
 def bench_plan(
-    shape: str, layers: int | None, batch: int, block: int, system: str, method: str, vocab: int | None = None
+    shape: str,
+    layers: int | None,
+    batch: int,
+    block: int,
+    system: str,
+    method: str,
+    vocab: int | None = None,
+    sysm: System | None = None,
 ) -> Plan:
-    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``, ...);
-    ``layers``, ``vocab``: the bench's overrides of the preset (None: the preset's)."""
-    from ..models.llama import llama_config
+    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``, ...)
+    on a Llama-family or GPT-2 preset; ``layers``, ``vocab``: the bench's overrides of the
+    preset (None: the preset's); ``sysm``: a ``System`` in place of ``SYSTEMS[system]``."""
+    from ..models import preset_config
+    from ..models.gpt2 import GPT2Config
 
-    over = {"num_hidden_layers": layers, "vocab_size": vocab}
-    cfg = llama_config(shape, **{k: v for k, v in over.items() if v})
-    c = PlanConfig(method=method.removesuffix("-gc"), targets=BENCH_TARGETS, r=BENCH_R, gc=method.endswith("-gc"),
+    cfg = preset_config(shape, layers, vocab)
+    targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
+    c = PlanConfig(method=method.removesuffix("-gc"), targets=targets, r=BENCH_R, gc=method.endswith("-gc"),
                    batch=batch, seq=block, system=system)  # fmt: skip
-    return plan(cfg, c)
+    return plan(cfg, c, sysm)
