@@ -268,3 +268,41 @@ def test_base_model_is_memory_mapped(tmp_path):
     while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
         base = base.base
     assert isinstance(base, mmap.mmap), type(base)
+
+
+def _flip_a_storage_byte(path: Path) -> None:
+    """One byte changed in the middle of the largest tensor's data (a bad disk, a bad copy)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+        data = zf.read(info)
+    raw = bytearray(path.read_bytes())
+    at = raw.find(data) + len(data) // 2
+    raw[at] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage", "flipped"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_damaged_bin_quantized_while_loading_gives_the_same_error(backend, legacy, damage, tmp_path):
+    """The 4-bit loader reads a .bin tensor by tensor (``load_torch_file(lazy=True)``: memory
+    maps, CRC-32 checked on the first read); a damaged file raises the error the whole-file
+    reader raises. (A legacy file has no checksum: a changed byte is not detected by either.)"""
+    from lora_core.quant.checkpoint4bit import gpt2_hf_config
+
+    if legacy and damage == "flipped":
+        pytest.skip("the legacy format has no checksum")
+    path, _ = _base_bin(legacy)(tmp_path / "base")
+    (path.parent / "config.json").write_text(json.dumps(gpt2_hf_config(CFG)))
+    backend.from_pretrained(path.parent, quantize="nf4")  # intact: loads
+    {"cut": cut, "garbage": garbage, "flipped": _flip_a_storage_byte}[damage](path)
+    with pytest.raises(CheckpointError) as whole:
+        read_tensors(path)
+    with pytest.raises(CheckpointError) as streamed:
+        backend.from_pretrained(path.parent, quantize="nf4")
+    msg = str(streamed.value)
+    assert msg == str(whole.value)
+    says = {"cut": "truncated legacy PyTorch file" if legacy else "truncated zip archive",
+            "garbage": "not a PyTorch checkpoint", "flipped": "damaged PyTorch zip archive (BadZipFile: Bad CRC-32"}
+    assert msg.startswith(str(path)) and says[damage] in msg, msg

@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         check_tensors("tensors", tensors, {n: tuple(p.shape) for n, p in params.items() if not partial or n in tensors})
         for n in tensors:
-            p, arr = params[n], tensors[n]
+            p, arr = params[n], np.asarray(tensors[n])  # a LazyTensor is read here
             if not p.is_meta:
                 p.copy_(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
                 continue

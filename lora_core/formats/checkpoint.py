@@ -120,16 +120,17 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None,
         cfg: the expected architecture; default: ``config.json`` beside the weights,
             else inferred from the tensor shapes.
         lazy: leave each tensor as the file gives it (a memory map of a ``.safetensors`` file,
-            the Conv1D weights as transposed views of it, any float dtype) for a consumer that
+            the Conv1D weights as transposed views of it, any float dtype; a ``LazyTensor``
+            where it must be read or widened: bfloat16, a ``.bin``) for a consumer that
             converts one tensor at a time (the 4-bit loader quantizes them so: the float32
-            copies of all the transposed weights are never held at once).
+            copies of all the weights are never held at once).
 
     Returns:
         ``(cfg, tensors)`` with float32 arrays (``lazy``: arrays of the file's dtype).
     """
     path = Path(path)
     wpath = _find_weights(path)
-    raw = read_tensors(wpath, mmap=True)  # frozen base: ranks share its pages
+    raw = read_tensors(wpath, mmap=True, lazy=lazy)  # frozen base: ranks share its pages
     tensors = {}
     lm_head = None
     for k, v in raw.items():

@@ -8,7 +8,9 @@
 - ``pytorch_model.bin``, and its sharded form with ``pytorch_model.bin.index.json``.
 
 Safetensors files are memory-mapped (``read_tensors(mmap=True)``): the caller converts one
-tensor at a time, so a model is never in memory twice. An index is strict: a shard it names
+tensor at a time, so a model is never in memory twice; ``lazy`` goes further for a caller that
+drops each tensor once converted (the 4-bit loader): bfloat16 tensors and those of ``.bin``
+files are ``LazyTensor`` s, read when converted, shard by shard as the index places them. An index is strict: a shard it names
 that is missing, a shard cut short, a tensor the index places in a shard that lacks it, or a
 tensor in a shard the index does not list raise :class:`CheckpointError` naming the file.
 """
@@ -39,12 +41,13 @@ def find_weights(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder")
 
 
-def read_hf_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def read_hf_weights(path: str | os.PathLike, lazy: bool = False) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint at ``path`` (a folder, a weights file or an index), as
-    numpy arrays under the checkpoint's own names (memory maps where the format allows)."""
+    numpy arrays under the checkpoint's own names (memory maps where the format allows;
+    ``lazy``: ``LazyTensor`` s where a tensor must be read or widened, see ``read_tensors``)."""
     wpath = find_weights(path)
     if not wpath.name.endswith(".index.json"):
-        return read_tensors(wpath, mmap=True)
+        return read_tensors(wpath, mmap=True, lazy=lazy)
     index = read_json(wpath)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -55,7 +58,7 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if not spath.is_file():
             names = sorted(k for k, v in weight_map.items() if v == shard)
             raise CheckpointError(f"{wpath}: shard {shard} is missing (it holds {len(names)} tensors, e.g. {names[0]})")
-        tensors = read_tensors(spath, mmap=True)  # a shard cut short: CheckpointError naming it
+        tensors = read_tensors(spath, mmap=True, lazy=lazy)  # a shard cut short: CheckpointError naming it
         listed = {k for k, v in weight_map.items() if v == shard}
         absent, extra = sorted(listed - set(tensors)), sorted(set(tensors) - listed)
         if absent or extra:

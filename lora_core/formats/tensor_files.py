@@ -7,17 +7,24 @@ library; only when it fails are the 8-byte header length, the JSON header and th
 ``data_offsets`` read here to say whether the file is truncated or not a safetensors file
 (format: https://github.com/huggingface/safetensors#format). ``torch.save`` files are read
 by :mod:`lora_core.formats.torch_pickle`, which diagnoses its own formats.
+
+A loader that converts one tensor at a time (the 4-bit loader quantizes each weight and drops
+it) asks for ``lazy`` tensors: a :class:`LazyTensor` is read from its file, and a bfloat16 one
+widened to float32, only when it is converted (``np.asarray``), so the float32 model of a
+bfloat16 ``.safetensors`` file or a ``pytorch_model.bin`` is never in memory at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CheckpointError", "read_tensors", "read_safetensors", "diagnose_safetensors", "read_json"]
+__all__ = ["CheckpointError", "LazyTensor", "bf16_to_f32", "read_tensors", "read_safetensors", "diagnose_safetensors",
+           "read_json"]
 
 _MAX_HEADER = 100_000_000  # the safetensors library refuses longer headers
 
@@ -26,9 +33,66 @@ class CheckpointError(ValueError):
     """A checkpoint file is damaged or does not fit the model: names the file and the problem."""
 
 
-def read_tensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, np.ndarray]:
+class LazyTensor:
+    """A checkpoint tensor read from its file only when it is converted (``np.asarray``, which
+    returns a new float32 array for bfloat16, else the file's values, possibly a memory map);
+    ``shape``, ``dtype`` (what the conversion gives), ``ndim``, ``size``, ``nbytes`` and ``T``
+    as an array's. Nothing is kept: each conversion reads again.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: the dtype ``read`` returns.
+        read: ``read() -> np.ndarray`` of ``shape`` (raises ``CheckpointError`` naming the file
+            when the bytes turn out damaged).
+    """
+
+    __slots__ = ("shape", "dtype", "_read", "_transposed")
+
+    def __init__(self, shape: tuple[int, ...], dtype, read, transposed: bool = False):
+        self.shape, self.dtype, self._read, self._transposed = tuple(shape), np.dtype(dtype), read, transposed
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def T(self) -> LazyTensor:  # noqa: N802 (numpy's name)
+        return LazyTensor(self.shape[::-1], self.dtype, self._read, not self._transposed)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self._read()
+        arr = arr.T if self._transposed else arr
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={self.shape}, dtype={self.dtype})"
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (``uint16``, any shape) widened to float32 (a new array), exactly:
+    a bfloat16 value is the top half of a float32 one."""
+    out = raw.astype(np.uint32)
+    out <<= 16
+    return out.view(np.float32)
+
+
+def read_tensors(path: str | os.PathLike, mmap: bool = False, lazy: bool = False) -> dict[str, np.ndarray]:
     """Tensors of a ``.safetensors`` or ``torch.save`` file as numpy arrays (no torch needed).
     ``mmap``: memory-map a ``.safetensors`` file (for frozen base weights; see ``read_safetensors``).
+    ``lazy``: for a consumer that converts one tensor at a time: memory maps, and a
+    :class:`LazyTensor` for each tensor that needs reading or widening (bfloat16, and every tensor
+    of a ``torch.save`` file: ``torch_pickle.load_torch_file(lazy=True)``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -38,24 +102,25 @@ def read_tensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, np.nd
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     if path.endswith(".safetensors"):
-        return read_safetensors(path, mmap)
+        return read_safetensors(path, mmap or lazy, lazy)
     from .torch_pickle import load_torch_file
 
-    return load_torch_file(path)
+    return load_torch_file(path, lazy=lazy)
 
 
 _MMAP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
                 "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def read_safetensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, np.ndarray]:
+def read_safetensors(path: str | os.PathLike, mmap: bool = False, lazy: bool = False) -> dict[str, np.ndarray]:
     """The tensors of a ``.safetensors`` file; errors re-raised with the path and a diagnosis.
 
     ``mmap``: the arrays are copy-on-write memory maps of the file (the library checks the
     header first), so processes that load the same frozen base share its pages in the page
     cache instead of each reading a private copy. BF16 tensors (numpy has no bfloat16) are
-    widened to float32 copies, exactly (a bf16 value is the top half of an fp32 one). Only for files nobody rewrites in place
-    while the arrays are in use (a base checkpoint): the maps follow the file."""
+    widened to float32 copies, exactly (a bf16 value is the top half of an fp32 one); with ``lazy``
+    they are :class:`LazyTensor` s widened when converted, one at a time. Only for files nobody
+    rewrites in place while the arrays are in use (a base checkpoint): the maps follow the file."""
     from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
@@ -63,7 +128,7 @@ def read_safetensors(path: str | os.PathLike, mmap: bool = False) -> dict[str, n
         if mmap:
             with safe_open(str(path), framework="numpy") as f:  # validates the header and offsets
                 f.keys()
-            maps = _memory_maps(path)
+            maps = _memory_maps(path, lazy)
             if maps is not None:
                 return maps
         with safe_open(str(path), framework="numpy") as f:
@@ -88,7 +153,7 @@ def _has_bf16(path) -> bool:
     return any(v["dtype"] == "BF16" for v in _header(path)[1].values())
 
 
-def _memory_maps(path) -> dict[str, np.ndarray] | None:
+def _memory_maps(path, lazy: bool = False) -> dict[str, np.ndarray] | None:
     n, header = _header(path)
     if any(v["dtype"] not in _MMAP_DTYPES and v["dtype"] != "BF16" for v in header.values()):
         return None
@@ -102,7 +167,9 @@ def _memory_maps(path) -> dict[str, np.ndarray] | None:
             continue
         m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
         arr = m.view(np.ndarray).reshape(shape)  # a plain array over the map (kept alive)
-        out[name] = (arr.astype(np.uint32) << 16).view(np.float32) if bf16 else arr
+        if bf16:
+            arr = LazyTensor(shape, np.float32, functools.partial(bf16_to_f32, arr)) if lazy else bf16_to_f32(arr)
+        out[name] = arr
     return out
 
 

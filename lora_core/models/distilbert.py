@@ -153,7 +153,7 @@ def init_head(cfg: DistilBertConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def load_distilbert_checkpoint(
-    path: str | os.PathLike, cfg: DistilBertConfig | None = None, num_labels: int | None = None
+    path: str | os.PathLike, cfg: DistilBertConfig | None = None, num_labels: int | None = None, lazy: bool = False
 ) -> tuple[DistilBertConfig, dict[str, np.ndarray], bool]:
     """Load HF DistilBERT weights strictly.
 
@@ -161,6 +161,9 @@ def load_distilbert_checkpoint(
         path: a weights file or a folder with ``model.safetensors`` / ``pytorch_model.bin``.
         cfg: the architecture; default: ``config.json`` beside the weights.
         num_labels: overrides the config's label count (a new head).
+        lazy: leave each tensor as the file gives it (a memory map, or a ``LazyTensor`` where
+            it must be read or widened: ``read_tensors``) for a consumer that converts one at a
+            time (the 4-bit loader); default: float32 arrays.
 
     Returns:
         ``(cfg, tensors, has_head)``; without a head (an MLM or encoder checkpoint) the
@@ -179,9 +182,10 @@ def load_distilbert_checkpoint(
         if not cfg_json.is_file():
             raise CheckpointError(f"{wpath}: no config.json beside it; pass a DistilBertConfig")
         cfg = DistilBertConfig.from_hf_json(cfg_json, num_labels)
-    raw = read_tensors(wpath, mmap=True)
+    raw = read_tensors(wpath, mmap=True, lazy=lazy)
     mlm = [k for k in raw if k in MLM_HEAD_KEYS]
-    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items() if k not in MLM_HEAD_KEYS}
+    tensors = {k: v if lazy else np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()
+               if k not in MLM_HEAD_KEYS}
     has_head = any(k in tensors for k in HEAD_KEYS)
     if mlm and has_head:
         raise CheckpointError(f"{wpath}: holds both an MLM head {mlm} and a classification head")

@@ -327,17 +327,18 @@ def is_non_parameter(name: str) -> bool:
     return name.endswith(NON_PARAMETER_SUFFIXES)
 
 
-def load_llama_checkpoint(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def load_llama_checkpoint(path: str | os.PathLike, lazy: bool = False) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """A transformers Llama/Mistral/Qwen2 checkpoint folder (any of ``formats.hf_checkpoint``'s
     layouts), strictly: ``(cfg, tensors)`` with canonical names; arrays are memory maps where
-    the format allows (convert one at a time). A tied model's ``lm_head.weight``, if saved,
-    must equal the embedding."""
+    the format allows (convert one at a time; ``lazy``: ``LazyTensor`` s where a tensor must be
+    read or widened, ``read_hf_weights``). A tied model's ``lm_head.weight``, if saved, must
+    equal the embedding."""
     wpath = find_weights(path)
     cfg_json = wpath.parent / "config.json"
     if not cfg_json.is_file():
         raise CheckpointError(f"{wpath}: no config.json beside it")
     cfg = LlamaConfig.from_hf_json(cfg_json)
-    tensors = {k: v for k, v in read_hf_weights(wpath).items() if not is_non_parameter(k)}
+    tensors = {k: v for k, v in read_hf_weights(wpath, lazy).items() if not is_non_parameter(k)}
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         head = tensors.pop("lm_head.weight")
         emb = tensors.get("model.embed_tokens.weight")

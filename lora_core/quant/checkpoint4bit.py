@@ -79,7 +79,8 @@ def _gpt2_raw(wpath: Path, cfg_json: Path):
 def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", double_quant: bool = True,
                          compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True):
     """``(family, cfg, states, tensors, qcfg)`` of a QLoRA base: ``states`` the NF4 weights by
-    canonical name, ``tensors`` the rest (memory maps where the format allows), ``family``
+    canonical name, ``tensors`` the rest (memory maps where the format allows, ``LazyTensor`` s
+    where a tensor must be read or widened: bfloat16, ``.bin``), ``family``
     ``"llama"`` or ``"gpt2"``. A bitsandbytes 4-bit checkpoint is read as it is (``explicit``:
     the quantization options were given and must match it); otherwise ``quantize="nf4"``
     quantizes each weight while loading.
@@ -103,7 +104,8 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
         qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
         if qcfg is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
-        cfg, tensors = (_llama.load_llama_checkpoint(path) if family == "llama" else _gpt2_full_precision(path))
+        cfg, tensors = (_llama.load_llama_checkpoint(path, lazy=True) if family == "llama"
+                        else _gpt2_full_precision(path))
         return family, cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
     wpath = find_weights(path)
     cfg_json = wpath.parent / "config.json"

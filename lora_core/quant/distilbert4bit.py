@@ -1,6 +1,7 @@
 """DistilBERT's QLoRA base (Sanh et al. 2019; Dettmers et al. 2023), framework-free: a
 ``DistilBertForSequenceClassification`` checkpoint quantized while it loads (the six linear
-weights of each block NF4, one memory-mapped tensor at a time: ``lora_core.quant.qlora``), or
+weights of each block NF4, one tensor at a time, read or memory-mapped as it is quantized:
+``lora_core.quant.qlora``), or
 a bitsandbytes 4-bit checkpoint read as it is (transformers' names are ours, weights (out,
 in) as in ``nn.Linear``), and the ``quantization_config`` our saved checkpoints carry.
 
@@ -51,8 +52,9 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
                          compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True,
                          num_labels: int | None = None, head_seed: int = 0):
     """``(cfg, states, tensors, qcfg)`` of a DistilBERT classifier's QLoRA base: ``states`` the NF4
-    weights by name, ``tensors`` the rest (memory maps of a float32 ``.safetensors`` file as
-    they are; a checkpoint without a classification head gets ``init_head(cfg, head_seed)``).
+    weights by name, ``tensors`` the rest (memory maps of a ``.safetensors`` file as they are,
+    ``LazyTensor`` s where a tensor must be read or widened: bfloat16, ``.bin``; a checkpoint
+    without a classification head gets ``init_head(cfg, head_seed)``).
     A bitsandbytes 4-bit checkpoint is read as it is (``explicit``: the quantization options
     were given and must match it); otherwise ``quantize="nf4"`` quantizes while loading.
 
@@ -67,7 +69,7 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
         qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
         if qcfg is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
-        cfg, tensors, has_head = _db.load_distilbert_checkpoint(path, num_labels=num_labels)
+        cfg, tensors, has_head = _db.load_distilbert_checkpoint(path, num_labels=num_labels, lazy=True)
         if not has_head:
             tensors.update(_db.init_head(cfg, head_seed))
         return cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg

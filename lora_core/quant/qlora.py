@@ -62,8 +62,9 @@ def is_quantized_weight(name: str) -> bool:
 
 
 def quantize_while_loading(tensors: dict, qcfg: QuantConfig) -> dict[str, NF4State]:
-    """Replace, in place, every quantized weight of ``tensors`` (numpy arrays or memory maps)
-    by its ``NF4State``, one at a time, dropping the full-precision reference as it goes;
+    """Replace, in place, every quantized weight of ``tensors`` (numpy arrays, memory maps or
+    ``LazyTensor`` s, read here) by its ``NF4State``, one at a time, dropping the
+    full-precision reference as it goes;
     returns the states by name (the rest of ``tensors`` is left as it is)."""
     states = {}
     for name in [n for n in tensors if is_quantized_weight(n)]:
