@@ -127,6 +127,40 @@ def test_torch_bin_reader_needs_no_torch_and_matches(tmp_path, legacy):
         assert got[k].shape == tuple(v.shape) and np.array_equal(got[k], v.numpy()), k
 
 
+@pytest.mark.parametrize("kind", ["zip", "zip-deflated", "legacy"])
+def test_torch_bin_reader_streams_lazy_tensors(tmp_path, kind):
+    """``lazy=True``: each tensor a LazyTensor (zip members memory-mapped; a compressed member,
+    which torch never writes, or a legacy storage read) equal to the eager reader's, bf16 widened."""
+    import mmap
+    import zipfile
+
+    from lora_core.formats.tensor_files import LazyTensor
+
+    torch = pytest.importorskip("torch")
+    sd = {"a": torch.randn(3, 4), "b": torch.randn(4, 3).t(), "h": torch.randn(2).half(), "i": torch.arange(4),
+          "bf": torch.randn(5, 3).bfloat16(), "bft": torch.randn(3, 5).bfloat16().t(), "s": torch.tensor(2.5),
+          "e": torch.zeros(0, 2)}
+    sd["view"], sd["tied"] = sd["a"][1], sd["a"]
+    path = tmp_path / "x.bin"
+    torch.save(sd, path, _use_new_zipfile_serialization=kind != "legacy")
+    if kind == "zip-deflated":
+        with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp_path / "d.bin", "w", zipfile.ZIP_DEFLATED) as dst:
+            for info in src.infolist():
+                dst.writestr(info.filename, src.read(info))
+        path = tmp_path / "d.bin"
+    eager, lazy = read_tensors(path), read_tensors(path, lazy=True)
+    for k, v in sd.items():
+        want = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
+        assert isinstance(lazy[k], LazyTensor) and lazy[k].shape == want.shape and lazy[k].dtype == want.dtype, k
+        got = np.asarray(lazy[k])
+        assert got.dtype == want.dtype and np.array_equal(got, want) and np.array_equal(eager[k], want), k
+        assert np.array_equal(np.asarray(lazy[k].T), want.T), k
+    base = np.asarray(lazy["a"])  # torch's zip members are stored uncompressed: a view of a map
+    while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    assert isinstance(base, mmap.mmap) == (kind == "zip"), type(base)
+
+
 def test_model_and_adapter_roundtrip_and_sizes(tmp_path):
     cfg, lora = lc.gpt2_config("tiny"), lc.LoRAConfig(r=4, bias="lora_only")
     base, lw = lc.init_gpt2_weights(cfg), lc.init_lora_weights(cfg, lora, b_std=0.1)
