@@ -144,3 +144,31 @@ def test_torch_layer_uses_bitsandbytes_kernel_bit_identically():
     assert fast is not None
     ref = tq.dequantize(layer.packed, layer.absmax, layer.nested_absmax, layer.offset, layer.shape, 64, 256)
     assert torch.equal(fast, ref) and np.array_equal(fast.numpy(), dequantize_nf4(state))
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_torch_products_dequantize_into_one_shared_buffer_bit_identically(double_quant):
+    """A 4-bit product's weight is dequantized into a buffer per size shared by the layers (no
+    fresh 64 MB allocation per product): the same bits as bitsandbytes' ``dequantize_4bit`` and
+    the numpy spec, the same forward output and input gradient as the dequantized weight gives."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from backends.torch import quant as tq
+    from lora_core.quant.nf4 import dequantize_nf4, quantize_nf4
+
+    rng = np.random.default_rng(5)
+    states = [quantize_nf4(rng.normal(0, 0.05, (192, 128)).astype(np.float32), 64, double_quant) for _ in range(2)]
+    layers = [tq.LoRALinear4bit(s) for s in states]
+    bufs = [tq._bnb_dequantize_scratch(layer) for layer in layers]  # the second overwrites the first
+    assert bufs[0] is not None and bufs[0].data_ptr() == bufs[1].data_ptr()
+    assert np.array_equal(bufs[1].numpy(), dequantize_nf4(states[1]))
+    assert torch.equal(tq._bnb_dequantize_scratch(layers[0]), tq._bnb_dequantize(layers[0]))
+    x = torch.from_numpy(rng.normal(size=(5, 128)).astype(np.float32)).requires_grad_()
+    for layer, s in zip(layers, states):
+        w = torch.from_numpy(dequantize_nf4(s))
+        y = layer(x)
+        (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        assert torch.equal(y, torch.nn.functional.linear(x, w)) and torch.equal(g, torch.ones_like(y) @ w)
+    bf16 = tq.LoRALinear4bit(states[0], compute_dtype="bfloat16")
+    assert tq._bnb_dequantize_scratch(bf16) is None  # other compute dtypes take the copying path

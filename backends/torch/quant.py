@@ -5,6 +5,8 @@ them), LoRA on top as in ``LoRALinear``."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,13 +40,7 @@ def _bnb_dequantize(layer) -> torch.Tensor | None:
     """The layer's float32 weight by bitsandbytes' own ``dequantize_4bit`` (its C++ kernel on the
     CPU: bit-identical to ``dequantize`` here, measured 23x faster for a 2816 x 1024 weight), or
     None without bitsandbytes or where a block spans two rows (rows not a multiple of the block)."""
-    if not _BNB:
-        try:
-            import bitsandbytes.functional as bnb_f
-        except ImportError:  # the quant extra is not installed: ``dequantize`` does it
-            bnb_f = None
-        _BNB.append(bnb_f)
-    bnb_f = _BNB[0]
+    bnb_f = _import_bnb()
     if bnb_f is None or layer.shape[-1] % layer.blocksize:
         # 0.50.2's CPU kernel scales a block that spans two rows by another block's absmax
         return None
@@ -59,17 +55,84 @@ def _bnb_dequantize(layer) -> torch.Tensor | None:
     return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs)
 
 
+_SCRATCH: dict = {}  # numel -> one float32 CPU buffer that every product of that size dequantizes into
+
+
+def _bnb_dequantize_scratch(layer) -> torch.Tensor | None:
+    """The layer's float32 weight by bitsandbytes' CPU NF4 kernel written into a buffer kept
+    for every layer of that size (``_SCRATCH``), for a product that reads it at once: the
+    dequantized weight of a large projection (64 MB at Llama-3.2-1B's MLP) is otherwise a fresh
+    allocation above glibc's mmap threshold per product, whose page faults cost more than the
+    dequantization (measured, 8192 x 2048, one thread: 33 ms dequantized fresh, 12-26 ms into
+    the buffer). The same kernel and absmax steps as ``bitsandbytes.functional.dequantize_4bit``
+    (whose ``out=`` variant 0.50.2 does not register for the CPU), so the same bits; None where
+    they do not apply (``_bnb_dequantize`` then)."""
+    bnb_f = _import_bnb()
+    lib = _bnb_cpu_lib()
+    rows, cols = (int(np.prod(layer.shape[:-1])), layer.shape[-1])
+    if (bnb_f is None or lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2
+            or layer.blocksize >= 2048 or layer.compute_dtype != torch.float32):  # fmt: skip
+        return None
+    absmax = layer.absmax
+    if layer.nested_absmax is not None:  # bitsandbytes' steps: the 8-bit absmax dequantized, plus the offset
+        nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_DYN, blocksize=layer.nested_blocksize,
+                                  dtype=torch.float32)
+        absmax = bnb_f.dequantize_blockwise(layer.absmax, nested)
+        absmax += layer.offset
+    absmax = absmax.float().contiguous()
+    n = rows * cols
+    out = _SCRATCH.get(n)
+    if out is None:
+        out = _SCRATCH[n] = torch.empty(n, dtype=torch.float32)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.cdequantize_blockwise_cpu_nf4_fp32(ptr(layer.packed), ptr(absmax), ptr(out), ctypes.c_longlong(layer.blocksize),
+                                           ctypes.c_longlong(rows), ctypes.c_longlong(cols))  # fmt: skip
+    return out.view(layer.shape)
+
+
+def _import_bnb():
+    """``bitsandbytes.functional``, imported once (``_BNB``), or None where it is not installed."""
+    if not _BNB:
+        try:
+            import bitsandbytes.functional as bnb_f
+        except ImportError:  # the quant extra is not installed: ``dequantize`` does it
+            bnb_f = None
+        _BNB.append(bnb_f)
+    return _BNB[0]
+
+
+_LIB = []
+
+
+def _bnb_cpu_lib():
+    """bitsandbytes' native library where it has the CPU NF4 fp32 kernel, else None."""
+    if not _LIB:
+        try:
+            from bitsandbytes.cextension import lib
+        except ImportError:
+            lib = None
+        _LIB.append(lib if lib is not None and hasattr(lib, "cdequantize_blockwise_cpu_nf4_fp32") else None)
+    return _LIB[0]
+
+
+def _for_product(layer, dtype) -> torch.Tensor:
+    """The dequantized weight for one product that reads it at once (the scratch buffer where it applies)."""
+    w = _bnb_dequantize_scratch(layer) if dtype == torch.float32 else None
+    return layer.dequantized(dtype) if w is None else w
+
+
 class _Matmul4bit(torch.autograd.Function):
-    """``x W^T`` with W dequantized here and again for the input gradient (W is frozen)."""
+    """``x W^T`` with W dequantized here and again for the input gradient (W is frozen); each
+    product reads the dequantized weight at once, so a buffer shared by the layers serves."""
 
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        return F.linear(x, layer.dequantized(x.dtype))
+        return F.linear(x, _for_product(layer, x.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        return g @ ctx.layer.dequantized(g.dtype), None
+        return g @ _for_product(ctx.layer, g.dtype), None
 
 
 class LoRALinear4bit(LoRALinear):
