@@ -55,16 +55,40 @@ def exit_reason(returncode: int) -> str:
         return f"killed by signal {number}"
 
 
-def spawn(module: str, spec: dict, threads: int) -> dict:
+def launcher(engine: str, nproc: int) -> list[str]:
+    """The command prefix that starts ``nproc`` copies of a Python program for a job of
+    ``engine``'s processes: ``torchrun --standalone`` (``"torch"``: torch.distributed, gloo on
+    CPU) or ``mpirun`` (``"mpi"``: jittor; ``--allow-run-as-root`` as root, oversubscribed, the
+    thread setting exported); the interpreter alone for one process. ``-m MODULE ARGS`` follows."""
+    if nproc == 1:
+        return [sys.executable]
+    if engine == "torch":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    if engine != "mpi":
+        raise ValueError(f"launcher: engine must be 'torch' or 'mpi', got {engine!r}")
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        raise RuntimeError("mpirun not found: several jittor processes need Open MPI "
+                           "(apt-get install openmpi-bin libopenmpi-dev)")  # fmt: skip
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [mpirun, *root, "--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "-x", "OMP_NUM_THREADS",
+            "-x", "MKL_NUM_THREADS", "-x", "PYTHONPATH", "-np", str(nproc), sys.executable]  # fmt: skip
+
+
+def spawn(module: str, spec: dict, threads: int, launch: list[str] | None = None) -> dict:
     """``python -m module --worker SPEC`` with ``threads`` OpenMP/MKL threads and this
     repository on ``PYTHONPATH``; its result dict with ``wall_s`` added, or ``{"error": ...,
-    "wall_s": ...}`` naming the exit and, when the worker said it, the reason."""
+    "wall_s": ...}`` naming the exit and, when the worker said it, the reason. ``launch``: a
+    :func:`launcher` prefix that runs several processes (the result: the last line printed)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     t0 = time.perf_counter()
     # under sh, which outlives a worker killed by a signal and exits with 128 + N: a process
     # that has imported jittor (a test, a notebook) would otherwise quit on that SIGCHLD
-    cmd = ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    prog = [*(launch or launcher("torch", 1)), "-m", module]
+    cmd = ["sh", "-c", '"$@"; exit $?', "sh", *prog, "--worker", json.dumps(spec)]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     try:
@@ -81,7 +105,7 @@ def spawn(module: str, spec: dict, threads: int) -> dict:
     return {"error": f"worker {why}: {said}" if said else f"worker {why}", "wall_s": wall}
 
 
-__all__ = ["error_reason", "exit_reason", "run_as_worker", "spawn"]
+__all__ = ["error_reason", "exit_reason", "launcher", "run_as_worker", "spawn"]
 
 
 # --------------------------------------------------------------------------- environment

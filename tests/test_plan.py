@@ -54,8 +54,31 @@ def test_lora_trainable_and_frozen_bytes():
 def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
     c = dict(method="full", batch=1, seq=8)
     p0, p2, p3 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2)) for z in (0, 2, 3))
-    assert p2.gradients == p0.gradients / 2 and p2.optimizer == p0.optimizer / 2 and p2.weights == p0.weights
-    assert p3.gradients == p2.gradients and p3.weights < p0.weights
+    assert p2.gradients == p0.gradients / 2 and p2.optimizer == p0.optimizer / 2
+    assert p2.weights == p0.weights * 1.5  # FSDP2 stage 2: each rank's shard + the weights gathered whole
+    # two layers: the root unit and both layers are gathered at once, as the whole model
+    assert p3.gradients == p2.gradients and p3.weights == pytest.approx(p0.weights, rel=1e-12)
+    gpu = [plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="gpu")) for z in (0, 2)]
+    assert gpu[1].weights == gpu[0].weights  # DeepSpeed's stage 2 keeps the weights whole, unsharded
+    j0, j2 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="ours-jittor")) for z in (0, 2))
+    assert j2.gradients == j0.gradients and j2.optimizer == j0.optimizer / 2  # its MPI engine: the moments only
+    with pytest.raises(ValueError, match="stage 3 is not available in ours-jittor"):
+        plan(TINY, PlanConfig(**c, zero=3, ranks=2, system="ours-jittor"))
+
+
+def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
+    """ZeRO-3 on FSDP2 (LoRA, ours-torch): the frozen weights, mapped without ZeRO, become
+    shards of the process's own memory; gathered whole: the root unit (embeddings, final norm,
+    head) and two layers."""
+    from lora_core.plan.memory import arch_of
+
+    cfg, a = PRESETS["llama-bench"], arch_of(PRESETS["llama-bench"])
+    c = dict(method="lora", batch=1, seq=8)
+    p0, p3 = plan(cfg, PlanConfig(**c)), plan(cfg, PlanConfig(**c, zero=3, ranks=2))
+    assert p0.mapped > 0 and p3.mapped == 0
+    layer = sum(i * o for i, o in a.proj.values()) + a.layer_small + p0.trainable / a.layers
+    expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + (a.other_params + 2 * layer) * 4 / 2
+    assert p3.weights * MB == pytest.approx(expect, rel=1e-9), N_frozen
 
 
 def test_gc_keeps_one_layer_input_per_layer():

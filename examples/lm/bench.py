@@ -67,7 +67,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..bench_worker import environment, environment_line, run_as_worker, spawn
+from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
 from .bench_shapes import (
     SHAPES,
@@ -82,7 +82,7 @@ from .bench_shapes import (
     write_checkpoint,
 )
 from .bench_shapes import targets as targets_of
-from .bench_systems import ALPHA, METHODS, SEED, R, lora_arrays, make_system, token_rows
+from .bench_systems import ALPHA, METHODS, SEED, R, bench_method, lora_arrays, make_system, token_rows
 from .methods_table import PARTS, method_flops, plot, qlora_weight_lines, rows, table_lines
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
@@ -142,10 +142,14 @@ def _proc_kb(path: str) -> dict[str, int]:
 
 
 def run_train(spec: dict, mem: MemorySampler) -> dict:
+    from lora_core.train.distributed import discover_world
+
     compile_ = spec.get("compile") if spec["system"] == "ours-torch" else None
     warm = 2 if compile_ else 1  # a compiled step compiles again on its second call (the RoPE table appears)
     cfg, n = _shape(spec), spec["steps"] + warm
-    rows = token_rows(cfg.vocab_size, (n, spec["batch"], spec["block"] + 1), SEED + 1)
+    world = discover_world()  # a ZeRO row's job: rank r trains on rows [r x batch, (r + 1) x batch) of each step
+    b = spec["batch"]
+    rows = token_rows(cfg.vocab_size, (n, world.size * b, spec["block"] + 1), SEED + 1)[:, world.rank * b : (world.rank + 1) * b]
     baseline = mem.now()  # the framework imported, no model yet
     method = spec.get("method", "lora")
     system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method, targets_of(cfg))
@@ -166,7 +170,8 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     parts = {k: v / 2**20 for k, v in system.memory_parts().items()}
     peaks = mem.stop()
     parts["activations"] = peaks["peak_private_mb"] - baseline["private_mb"] - sum(parts.values())
-    return {"train_tok_s": spec["batch"] * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
+    return {"train_tok_s": world.size * b * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
+            "warmup_steps": warm,
             "loss": losses, **{"train_" + k: v for k, v in peaks.items()}, "method": method,
             "baseline_private_mb": baseline["private_mb"], "baseline_anon_mb": baseline["anon_mb"],
             **{"loaded_" + k: v for k, v in loaded.items()}, "peak_anon_after_step_mb": step_anon, "parts_mb": parts,
@@ -196,6 +201,28 @@ def run_worker(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     out = (run_train if spec["task"] == "train" else run_decode)(spec, mem)
     out[spec["task"] + "_loadavg_end"] = os.getloadavg()[0]
+    if spec.get("rank_dir"):  # one process of a ZeRO row's job: the parent merges the ranks' files
+        from lora_core.train.distributed import discover_world
+
+        Path(spec["rank_dir"], f"rank-{discover_world().rank}.json").write_text(json.dumps(out))
+    return out
+
+
+MEMORY_KEYS = ("train_peak_rss_mb", "train_peak_private_mb", "train_peak_anon_mb", "train_rss_end_mb")
+
+
+def merge_ranks(per_rank: list[dict], ranks: int) -> dict:
+    """One row from the results of a ZeRO job's ranks: the memory of the rank with the largest
+    peak anonymous memory (peak per rank: its peaks, baseline, split), each step's time the
+    slowest rank's (the ranks wait for each other in the collectives), the loss of a step the
+    sum of the ranks' shares, tokens/s over all ranks' rows; ``per_rank``: each rank's peaks."""
+    top = max(per_rank, key=lambda r: r["train_peak_anon_mb"])
+    times = [max(ts) for ts in zip(*(r["step_s"] for r in per_rank))]
+    step_s = statistics.median(times[top["warmup_steps"] :])
+    out = dict(top, step_s=times, median_step_s=step_s, loss=[sum(x) for x in zip(*(r["loss"] for r in per_rank))])
+    out["train_tok_s"] = top["train_tok_s"] * top["median_step_s"] / step_s  # the job's tokens, the slowest step
+    out["ranks"] = ranks
+    out["per_rank"] = [{k: r.get(k) for k in MEMORY_KEYS} for r in per_rank]
     return out
 
 
@@ -293,10 +320,28 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                             "new_tokens": args.new_tokens, "threads": args.threads, "compile": args.compile,
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
-                    out = spawn("examples.lm.bench", spec, args.threads)
+                    zero = bench_method(method)[1]
+                    out = spawn_ranks(spec, args.threads, args.ranks) if zero else spawn("examples.lm.bench", spec, args.threads)
                     result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
                 raw[row_key(system, method)].append(result)
     return raw
+
+
+def spawn_ranks(spec: dict, threads: int, ranks: int) -> dict:
+    """A ZeRO row: ``ranks`` workers in one job (``torchrun`` for ours-torch and hf-peft,
+    ``mpirun`` for ours-jittor), each writing its result to a file; merged by :func:`merge_ranks`,
+    or the launcher's error when a rank wrote none."""
+    engine = "mpi" if spec["system"] == "ours-jittor" else "torch"
+    with tempfile.TemporaryDirectory(prefix="lm_bench_ranks_") as d:
+        try:
+            launch = launcher(engine, ranks)
+        except RuntimeError as e:
+            return {"error": str(e), "wall_s": 0.0}
+        out = spawn("examples.lm.bench", dict(spec, rank_dir=d), threads, launch)
+        per_rank = [json.loads(p.read_text()) for p in sorted(Path(d).glob("rank-*.json"))]
+    if "error" in out or len(per_rank) != ranks:
+        return {"error": out.get("error") or f"{len(per_rank)} of {ranks} ranks gave a result", "wall_s": out["wall_s"]}
+    return dict(merge_ranks(per_rank, ranks), wall_s=out["wall_s"])
 
 
 def row_key(system: str, method: str) -> str:
@@ -388,9 +433,24 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
-                  f"into its parts above the baseline before the model, MB", *table_lines(methods, _fmt),
+                  f"into its parts above the baseline before the model, MB"
+                  + (f"; ZeRO rows: {args.ranks} processes of {args.batch} row(s) each, memory per rank" if any(
+                      bench_method(m)[1] for m in args.methods) else ""),
+                  *table_lines(methods, _fmt), *method_errors(raw),
                   *qlora_weight_lines(methods, cfg, R, targets_of(cfg), _fmt)]  # fmt: skip
     return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
+
+
+def method_errors(raw: dict) -> list[str]:
+    """``errors: METHOD SYSTEM: reason`` for each methods row whose worker failed (a refused
+    method, such as jittor's ZeRO-3, or a crash): why a row of the table is empty."""
+    out = []
+    for key, runs in raw.items():
+        reasons = sorted({r[k] for r in runs for k in ("train_error", "decode_error") if k in r})
+        if reasons and " " in key:
+            system, method = key.split(" ", 1)
+            out.append(f"errors: {method} {system}: {'; '.join(reasons)}")
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -417,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                         "inductor; two untimed warm-up updates")  # fmt: skip
     p.add_argument("--methods", default="lora",
                    help=f"comma-separated fine-tuning methods of {','.join(METHODS)} (decoding runs with lora)")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="processes of a ZeRO row (-z2, -z3 methods; torchrun or mpirun), each on --batch rows")
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the methods table here")
     args = p.parse_args(argv)
@@ -428,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1,
            args.vocab or 1) < 1:
         p.error("--layers, --vocab, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
+    if args.ranks < 2:
+        p.error(f"--ranks must be >= 2 (the processes of a ZeRO row), got {args.ranks}")
     cfg = _shape(vars(args))
     if max(args.block, PROMPT_LEN + args.new_tokens) > positions(cfg):
         p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {positions(cfg)} positions")

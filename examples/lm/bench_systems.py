@@ -9,7 +9,18 @@ bench's docstring), for one fine-tuning method of ``METHODS``:
   ``from_pretrained(quantize="nf4")``, transformers: ``BitsAndBytesConfig`` +
   ``prepare_model_for_kbit_training``);
 - ``-gc``: with activation checkpointing (ours: ``set_grad_checkpoint``; transformers:
-  ``gradient_checkpointing_enable``, non-reentrant, as the studies run it)."""
+  ``gradient_checkpointing_enable``, non-reentrant, as the studies run it);
+- ``-z2``, ``-z3``: ZeRO stage 2 or 3 over the ranks of the job the worker runs in (the bench
+  starts it with ``torchrun`` or ``mpirun``): ours through the backend's data-parallel contract
+  (``data_parallel(model, "lm", zero)``, ``parallel_adamw``, ``parallel_train_step``: FSDP2 in
+  torch, the MPI-sharded AdamW in jittor, which refuses stage 3 by name); transformers + peft on
+  PyTorch FSDP2 ``fully_shard`` with the same units (each decoder layer, then the root; stage 2:
+  the frozen base ignored and no resharding after the forward, as DeepSpeed's ZeRO-2 keeps frozen
+  weights whole; stage 3: every parameter sharded). Each rank trains on its own ``batch`` rows.
+
+A method name is ``BASE[-zSTAGE][-gc]`` (``lora_core.plan.memory.bench_method``): 18 names, of
+which the studies' table uses 13 (full; LoRA and QLoRA plain, ``-gc``, ``-z2``, ``-z3``,
+``-z3-gc``)."""
 
 from __future__ import annotations
 
@@ -17,10 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from lora_core.plan.memory import BENCH_METHODS, bench_method
+
 from .bench_shapes import LLAMA_TARGETS, projections, targets
 
 TARGETS = LLAMA_TARGETS
-METHODS = ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
+METHODS = BENCH_METHODS
 R, ALPHA, LR, SEED = 8, 16.0, 2e-4, 0
 
 
@@ -55,21 +68,33 @@ class Ours:
         import lora_core
         from lora_core.train.optim import AdamWConfig
 
+        base, self.zero, gc = bench_method(method)
         self.bk = bk = lora_core.get_backend(name)
-        self.model = bk.from_pretrained(ckpt, quantize="nf4") if method.startswith("qlora") else bk.from_pretrained(ckpt)
-        if not method.startswith("full"):
+        self.model = bk.from_pretrained(ckpt, quantize="nf4") if base == "qlora" else bk.from_pretrained(ckpt)
+        if base != "full":
             bk.inject_lora(self.model, lora_target_config(target_modules))
             self.model.load_partial(load_file(lora_file))
-        bk.set_grad_checkpoint(self.model, method.endswith("-gc"))
-        if trainable:
+        bk.set_grad_checkpoint(self.model, gc)
+        self.world = 1
+        if trainable and self.zero:  # the order of the trainer's: shard, then the optimizer of the shards
+            from lora_core.train.distributed import start_job
+
+            self.world = start_job(bk).world.size
+            self.wrapper = bk.data_parallel(self.model, "lm", self.zero)
+            self.opt = bk.parallel_adamw(self.wrapper, bk.trainable_parameters(self.model), AdamWConfig())
+        elif trainable:
             self.opt = bk.AdamW(bk.trainable_parameters(self.model), AdamWConfig())
 
     def memory_parts(self) -> dict[str, float]:
-        """Bytes of the weights (every parameter and buffer, as stored: 4-bit codes and their
-        scales for a QLoRA base), of the gradients and of AdamW's two fp32 moments (one per
-        trainable weight each, in both backends' AdamW)."""
+        """Bytes of the weights (every parameter and buffer, as stored on this rank: 4-bit codes
+        and their scales for a QLoRA base, a ZeRO-3 shard), of the gradients and of AdamW's two
+        fp32 moments (one per trainable weight each, in both backends' AdamW; this rank's share
+        of what its ZeRO stage shards: torch's FSDP2 shards both at stage 2, jittor's stage 2 the
+        moments only)."""
         trainable = sum(_numel(p) for p in self.bk.trainable_parameters(self.model).values())
-        return {"weights": _stored_bytes(self.model), "gradients": 4.0 * trainable, "optimizer": 8.0 * trainable}
+        local = _local_numel(self.bk.trainable_parameters(self.model).values())  # FSDP2's shards
+        moments = local if self.zero and self.bk.NAME == "torch" else trainable / (self.world if self.zero else 1)
+        return {"weights": _stored_bytes(self.model), "gradients": 4.0 * local, "optimizer": 8.0 * moments}
 
     def prepare(self, rows: np.ndarray):
         from lora_core.data.batching import collate
@@ -77,6 +102,11 @@ class Ours:
         return collate([(list(r[:1]), list(r[1:])) for r in rows.tolist()])  # inputs r[:-1], targets r[1:]
 
     def train_step(self, batch) -> float:
+        """One update; the loss of this rank's rows (with ZeRO its share of the job's mean: the
+        ranks' values sum to it)."""
+        if self.zero:
+            out = self.bk.parallel_train_step(self.wrapper, self.opt, [batch], [1.0 / self.world], LR)
+            return float(out["loss"])
         return float(self.bk.train_step(self.model, self.opt, [batch], LR)["loss"])
 
     def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
@@ -105,9 +135,9 @@ class HFPeft:
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch
-        gc = method.endswith("-gc")
+        base, self.zero, gc = bench_method(method)
         kw = {}
-        if method.startswith("qlora"):
+        if base == "qlora":
             kw = {"quantization_config": transformers.BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=torch.float32), "device_map": "cpu"}
@@ -115,18 +145,21 @@ class HFPeft:
         self.attn_implementation = model.config._attn_implementation
         model.generation_config.eos_token_id = None  # run every new token, as ours with stop_ids=()
         gc_kwargs = {"use_reentrant": False}
-        if method.startswith("qlora"):
+        if base == "qlora":
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
                                                          gradient_checkpointing_kwargs=gc_kwargs)
         elif gc:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-        if method.startswith("full"):
+        if base == "full":
             self.model = model
         else:
             lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(target_modules))
             self.model = peft.get_peft_model(model, lcfg)
             self._load_lora(load_file(lora_file))
-        if trainable:
+        self.world = 1
+        if trainable and self.zero:
+            self.world = _fsdp2(self.model, self.zero)
+        if trainable:  # after fully_shard: an optimizer of the unsharded parameters would train nothing
             c = AdamWConfig()
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.opt = torch.optim.AdamW(params, lr=LR, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
@@ -135,8 +168,8 @@ class HFPeft:
         """Bytes of every parameter and buffer as stored (bitsandbytes' packed codes and quant
         state for a 4-bit base), of the trainable parameters' gradients, and of the tensors in
         ``torch.optim.AdamW``'s state (measured after the steps)."""
-        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        state = sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+        trainable = sum(_local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        state = sum(_local(t).numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
                     if isinstance(t, self.torch.Tensor) and t.dim() > 0)  # fmt: skip
         return {"weights": _stored_bytes(self.model), "gradients": float(trainable), "optimizer": float(state)}
 
@@ -154,6 +187,8 @@ class HFPeft:
         return self.torch.from_numpy(rows[:, :-1].copy()), self.torch.from_numpy(rows[:, 1:].copy())
 
     def train_step(self, batch) -> float:
+        """One update; the loss of this rank's rows (with ZeRO over its share: FSDP2's
+        reduce-scatter averages the ranks' gradients, so the ranks' values sum to the job's mean)."""
         import torch.nn.functional as F
 
         ids, targets = batch
@@ -163,7 +198,7 @@ class HFPeft:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.item() / self.world
 
     def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
         torch = self.torch
@@ -173,6 +208,39 @@ class HFPeft:
             seq = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
         return seq[:, ids.shape[1] :].tolist()
+
+
+def _fsdp2(model, zero: int) -> int:
+    """ZeRO ``zero`` (2 or 3) on PyTorch FSDP2 for transformers + peft, in the job ``torchrun``
+    started (gloo on CPU): each decoder layer one ``fully_shard`` unit, the model the root.
+    Stage 2: the trained parameters sharded, gathered once per update (no resharding after the
+    forward), the frozen base ignored (whole on every rank, as DeepSpeed's ZeRO-2 keeps it);
+    stage 3: every parameter sharded and regathered per layer, bitsandbytes' 4-bit weights
+    excepted (packed ``Params4bit``, as DeepSpeed leaves quantized weights). The world size."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    packed = {p for p in model.parameters() if type(p).__name__ == "Params4bit"}
+    ignored = packed | ({p for p in model.parameters() if not p.requires_grad} if zero == 2 else set())
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    for block in (b for ml in layers for b in ml):
+        fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    return dist.get_world_size()
+
+
+def _local(t):
+    """This rank's part of a tensor (an FSDP2 ``DTensor``'s shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_numel(params) -> int:
+    return sum(_numel(_local(p)) for p in params)
 
 
 def _our_name(peft_name: str) -> str:
@@ -207,6 +275,7 @@ def _stored_bytes(model) -> float:
         tensors += list(named_buffers())
     for _, t in tensors:
         if hasattr(t, "data_ptr"):  # torch: tied weights counted once
+            t = _local(t)
             if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())

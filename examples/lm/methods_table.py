@@ -19,6 +19,10 @@ is the rest of the growth: peak private memory minus the private memory before t
 built minus those three (activations, temporaries of the backward pass, and what the
 allocator keeps).
 
+ZeRO rows (``-z2``, ``-z3``: ``--ranks`` processes, each on the bench's batch): tokens/s over
+all ranks' rows, memory per rank (the rank with the largest peak), the time of a step the
+slowest rank's.
+
 The planner column: ``predicted MB`` is ``lora_core.plan.bench_plan`` for the row's method,
 system and shape (the memory planner, docs/planning.md), ``error %`` its difference from the
 measured peak anonymous memory (the run's own: not the pages of the memory-mapped checkpoint).
@@ -51,8 +55,11 @@ def predicted(settings: dict | None, system: str, method: str, measured: float |
 
     if not settings or system not in SYSTEMS:
         return None, None
-    p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
-                   settings.get("vocab")).peak  # fmt: skip
+    try:
+        p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
+                       settings.get("vocab"), ranks=settings.get("ranks") or 2).peak  # fmt: skip
+    except ValueError:  # a method the system refuses (jittor's ZeRO-3): no plan, as no measurement
+        return None, None
     return p, (None if not measured else 100 * (p - measured) / measured)
 
 
@@ -80,13 +87,13 @@ def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = Non
 
 
 def table_lines(rows_: list[dict], fmt) -> list[str]:
-    head = (f"{'method':9s} {'system':12s} {'tok/s':>7s} {'s/100 upd':>9s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
+    head = (f"{'method':11s} {'system':12s} {'tok/s':>7s} {'s/100 upd':>9s} {'%peak':>6s} {'RSS MB':>7s} {'priv MB':>7s} "
             f"{'anon MB':>7s} {'vs full':>7s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'act+etc':>7s} "
             f"{'pred MB':>7s} {'err %':>6s}")
     lines = [head]
     for r in rows_:
         frac = None if r["peak_fraction"] is None else 100 * r["peak_fraction"]
-        lines.append(f"{r['method']:9s} {r['system']:12s} {fmt(r['tok_s'], '.1f'):>7s} {fmt(r['s_per_100'], '.1f'):>9s} "
+        lines.append(f"{r['method']:11s} {r['system']:12s} {fmt(r['tok_s'], '.1f'):>7s} {fmt(r['s_per_100'], '.1f'):>9s} "
                      f"{fmt(frac, '.1f'):>6s} {fmt(r['rss_mb'], '.0f'):>7s} {fmt(r['private_mb'], '.0f'):>7s} "
                      f"{fmt(r['anon_mb'], '.0f'):>7s} {fmt(r['vs_full'], '.2f'):>7s} "
                      + " ".join(f"{fmt(r['parts_mb'].get(p), '.0f'):>7s}" for p in PARTS)

@@ -20,8 +20,14 @@ per rank, bytes; P parameters, T trainable ones, N = micro-batch x sequence toke
                   of a mapped checkpoint become the process's own);
                   LoRA: T x 4 + 4-bit codes (0.516 bytes per quantized weight) + the frozen
                   weights the system copies (4 | 2 bytes; none for ``mapped_kinds``)
-                  / ranks at ZeRO-3, plus two gathered layers
-    gradients   = T x (4 | 2 for bf16 full FT)                               / ranks at ZeRO >= 2
+                  ZeRO-2 on FSDP2: + the trained weights / ranks (each a shard, gathered whole
+                  from the forward to the end of the backward);
+                  (DeepSpeed's stage 2 keeps them whole, unsharded: no extra);
+                  ZeRO-3: the 4-bit codes whole (DeepSpeed: sharded), every other weight / ranks (a shard copied into
+                  the process's own memory: nothing stays mapped), plus gathered whole (x (1 -
+                  1/ranks)) two layers and FSDP2's root unit (embeddings, final norm, head)
+                  or, DeepSpeed, one (V, E) table
+    gradients   = T x (4 | 2 for bf16 full FT)     / ranks at ZeRO >= 2 (FSDP2; Jittor's MPI: whole)
     optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
     activations = LoRA: act_scale x (N x (saved x act bytes + head + transient) + one dequantized weight)
                         + deq_kept x every quantized weight in fp32 (a lazy graph that keeps them)
@@ -57,6 +63,7 @@ MB = 2**20
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16")
 STAGES = (0, 2, 3)
+ZERO_ENGINES = ("fsdp2", "deepspeed", "mpi")
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2_PROJ = ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj")
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes, an 8-bit absmax per 64, an fp32 scale per 256 blocks
@@ -109,6 +116,10 @@ class System:
     lora_outs: int = 1  # output-wide tensors a LoRA layer's forward allocates (1: ours-torch's fused addmm)
     gelu_saved: int = 1  # GPT-2: MLP-wide tensors GELU keeps (1: its input, a fused or custom backward)
     gelu_allocs: int = 1  # GPT-2: MLP-wide tensors GELU's forward allocates
+    # ZeRO's engine: "fsdp2" (PyTorch FSDP2: grads and moments sharded, at stage 2 the trained weights
+    # too, gathered through the step; stage 3 every weight), "deepspeed" (stage 2 keeps the weights
+    # whole), "mpi" (Jittor's: the AdamW moments only; no stage 3)
+    zero_engine: str = "fsdp2"
     family: dict = field(default_factory=dict)  # per model kind: the fields above that differ (``for_kind``)
     note: str = ""
 
@@ -126,13 +137,13 @@ SYSTEMS: dict[str, System] = {
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
-                          head_nv=1, lora_outs=2, family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
+                          head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
                           note="Jittor CPU, backends.jittor"),
     "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.79, heap=0.227,
                       heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,
                       gelu_saved=4, gelu_allocs=8,
                       note="transformers + peft, PyTorch CPU"),
-    "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None,
+    "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None, zero_engine="deepspeed",
                   note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
                        "activations, full FT's activations alive with its gradients"),
 }  # fmt: skip
@@ -325,12 +336,29 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         mapped = held if a.kind in sysm.mapped_kinds and not bf16 else 0.0  # a bf16 copy is the process's own
         weights = held - mapped + quantized * NF4_BYTES + trainable * 4
         grad_b, opt_b = 4, 8
-    shard_go = c.ranks if c.zero >= 2 else 1
-    if c.zero == 3:  # sharded, and one layer gathered at a time
-        layer_bytes = sum(i * o for i, o in a.proj.values()) * (NF4_BYTES if quantized else wb)
-        # the layer computed and the next prefetched, whole (their own shard counted already)
-        weights = weights / c.ranks + min(2, a.layers) * layer_bytes * (1 - 1 / c.ranks)
-    return weights, mapped, trainable * grad_b / shard_go, trainable * opt_b / shard_go
+    shard_opt = c.ranks if c.zero >= 2 else 1
+    shard_grads = 1 if sysm.zero_engine == "mpi" else shard_opt  # Jittor's MPI engine all-reduces them whole
+    trained_b = trainable * (wb if c.method == "full" else 4)
+    if c.zero == 2 and sysm.zero_engine == "fsdp2":  # the trained parameters: a shard each, gathered whole
+        weights += trained_b / c.ranks  # from the forward to the end of the backward (no resharding between)
+    if c.zero == 3:
+        # every parameter a shard in the process's own memory (copied: the mapped pages are left
+        # unused), 4-bit codes whole (buffers, or bitsandbytes' ignored Params4bit); gathered whole
+        # during the step: the root unit's (embeddings, final norm, head: FSDP2 keeps the root
+        # gathered from forward to backward) and two layers (the one computed and the next)
+        # (DeepSpeed shards the 4-bit codes too: bitsandbytes' quant_storage, as HF's ZeRO-3 QLoRA recipe)
+        ds = sysm.zero_engine == "deepspeed"
+        whole = 0.0 if ds else quantized * NF4_BYTES
+        own = weights + mapped - whole
+        mapped = 0.0
+        lora_layer = (trainable / a.layers) if c.method != "full" else 0
+        proj = sum(i * o for i, o in a.proj.values())
+        layer = proj * ((NF4_BYTES if ds else 0) if quantized else wb) + a.layer_small * wb + lora_layer * 4
+        # DeepSpeed gathers each module as it runs: of the root's, one (V, E) table at a time
+        root = a.vocab * a.hidden if ds else a.other_params
+        gathered = root * wb + min(2, a.layers) * layer
+        weights = whole + own / c.ranks + gathered * (1 - 1 / c.ranks)
+    return weights, mapped, trainable * grad_b / shard_grads, trainable * opt_b / shard_opt
 
 
 def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantized: int):
@@ -369,6 +397,11 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     ``sysm``: a ``System`` in place of ``SYSTEMS[c.system]`` (fitting its constants)."""
     a = arch_of(cfg)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
+    if sysm.zero_engine not in ZERO_ENGINES:
+        raise ValueError(f"System.zero_engine must be one of {ZERO_ENGINES}, got {sysm.zero_engine!r}")
+    if c.zero == 3 and sysm.zero_engine == "mpi":
+        raise ValueError(f"ZeRO stage 3 is not available in {c.system} (its MPI engine shards the AdamW moments "
+                         "only: stage 2); plan --zero 2, or a torch system")  # fmt: skip
     per_layer = layer_saved(a, c, sysm)  # refuses unknown targets first
     total, trainable, quantized = _params(a, c)
     weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized)
@@ -459,6 +492,20 @@ def resolve_model(spec: str):
 BENCH_TARGETS, GPT2_BENCH_TARGETS, BENCH_R = ("q_proj", "k_proj", "v_proj", "o_proj"), ("c_attn", "attn.c_proj"), 8
 
 
+# the methods bench's row names: BASE[-zSTAGE][-gc] (examples.lm.bench_systems)
+BENCH_METHODS = tuple(f"{b}{z}{g}" for b in METHODS for z in ("", "-z2", "-z3") for g in ("", "-gc"))
+
+
+def bench_method(name: str) -> tuple[str, int, bool]:
+    """``(method, ZeRO stage, GC)`` of a methods-bench row name: ``"qlora-z3-gc"`` ->
+    ``("qlora", 3, True)``; ``ValueError`` naming the valid names for another."""
+    if name not in BENCH_METHODS:
+        raise ValueError(f"unknown bench method {name!r}; choose from {', '.join(BENCH_METHODS)}")
+    base, *rest = name.split("-")
+    zero = next((int(r[1:]) for r in rest if r.startswith("z")), 0)
+    return base, zero, "gc" in rest
+
+
 def bench_plan(
     shape: str,
     layers: int | None,
@@ -468,15 +515,18 @@ def bench_plan(
     method: str,
     vocab: int | None = None,
     sysm: System | None = None,
+    ranks: int = 2,
 ) -> Plan:
-    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``, ...)
-    on a Llama-family or GPT-2 preset; ``layers``, ``vocab``: the bench's overrides of the
-    preset (None: the preset's); ``sysm``: a ``System`` in place of ``SYSTEMS[system]``."""
+    """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
+    ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
+    ``vocab``: the bench's overrides of the preset (None: the preset's); ``sysm``: a ``System``
+    in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each)."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
     cfg = preset_config(shape, layers, vocab)
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
-    c = PlanConfig(method=method.removesuffix("-gc"), targets=targets, r=BENCH_R, gc=method.endswith("-gc"),
-                   batch=batch, seq=block, system=system)  # fmt: skip
+    base, zero, gc = bench_method(method)
+    c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
+                   ranks=ranks if zero else 1)  # fmt: skip
     return plan(cfg, c, sysm)
