@@ -150,7 +150,11 @@ def test_jittor_refuses_stage_3(toy, tmp_path):  # noqa: F811
 def test_classification_command_under_torch_zero_3(data, tmp_path):  # noqa: F811
     """``examples.cls.train --zero 3`` (LoRA on a tiny DistilBERT, validation every 4 updates):
     the one-process losses, validation losses and adapter, and the same dev and test
-    predictions (written by rank 0 from the gathered checkpoint: the trained model is sharded)."""
+    predictions (written by rank 0 from the gathered checkpoint: the trained model is sharded).
+    The adapter is compared at its own scale (the largest |value| of any of its tensors): a
+    ``lora_B`` holds only 8 AdamW steps from zero, whose elements with near-zero gradients
+    AdamW's normalisation moves by the rounding of the reduce-scattered gradient (on an AMD EPYC
+    6.1e-8 = 1.4e-6 of that tensor's largest value at lr 1e-2, 1.9e-6 at lr 1e-3: not the lr)."""
     args = ["--base", str(data / "base0"), "--max-steps", "8", "--set", "train.batch_size=10", "train.lr=1e-2",
             "train.log_every=1", "train.save_every=4", "train.eval_every=4", "train.eval_batch_size=10",
             "train.dropout_masks=framework", "lora.dropout=0", "train.last_batch=drop"]  # fmt: skip
@@ -167,7 +171,8 @@ def test_classification_command_under_torch_zero_3(data, tmp_path):  # noqa: F81
     assert_close("zero 3 vs 1 process: classification valid loss", _log(two, "eval", "valid_loss"),
                  _log(one, "eval", "valid_loss"), RTOL)  # fmt: skip
     a, b = _weights(one, "lora", 8), _weights(two, "lora", 8)
+    scale = max(float(np.abs(v).max()) for v in a.values())
     for k in a:
-        assert_close("zero 3 vs 1 process: classification adapter", b[k], a[k], RTOL)
+        assert_close("zero 3 vs 1 process: classification adapter", b[k], a[k], RTOL, floor=scale)
     for f in ("dev_predictions.tsv", "test_predictions.tsv"):
         assert (two / f).read_text() == (one / f).read_text()

@@ -82,7 +82,17 @@ from .bench_shapes import (
     write_checkpoint,
 )
 from .bench_shapes import targets as targets_of
-from .bench_systems import ALPHA, METHODS, SEED, R, bench_method, lora_arrays, make_system, token_rows
+from .bench_systems import (
+    ALPHA,
+    HF_ZERO_ENGINES,
+    METHODS,
+    SEED,
+    R,
+    bench_method,
+    lora_arrays,
+    make_system,
+    token_rows,
+)
 from .methods_table import PARTS, method_flops, plot, qlora_weight_lines, rows, table_lines
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
@@ -152,7 +162,8 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     rows = token_rows(cfg.vocab_size, (n, world.size * b, spec["block"] + 1), SEED + 1)[:, world.rank * b : (world.rank + 1) * b]
     baseline = mem.now()  # the framework imported, no model yet
     method = spec.get("method", "lora")
-    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method, targets_of(cfg))
+    system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method, targets_of(cfg),
+                         spec.get("hf_zero_engine") or "fsdp2")  # fmt: skip
     mem.sample()
     loaded = {**mem.now(), "peak_private_mb": mem.private, "peak_anon_mb": mem.anon}  # the model built
     if compile_:
@@ -318,6 +329,7 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                     spec = {"task": task, "system": system, "method": method, "shape": args.shape,
                             "layers": args.layers, "vocab": args.vocab, "batch": args.batch, "block": args.block, "steps": args.steps,
                             "new_tokens": args.new_tokens, "threads": args.threads, "compile": args.compile,
+                            "hf_zero_engine": args.hf_zero_engine,
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
                     zero = bench_method(method)[1]
@@ -479,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated fine-tuning methods of {','.join(METHODS)} (decoding runs with lora)")
     p.add_argument("--ranks", type=int, default=2,
                    help="processes of a ZeRO row (-z2, -z3 methods; torchrun or mpirun), each on --batch rows")
+    p.add_argument("--hf-zero-engine", default="fsdp2", choices=HF_ZERO_ENGINES,
+                   help="what shards hf-peft's ZeRO rows: PyTorch FSDP2, or DeepSpeed (pip install deepspeed)")
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the methods table here")
     args = p.parse_args(argv)

@@ -16,7 +16,9 @@ bench's docstring), for one fine-tuning method of ``METHODS``:
   torch, the MPI-sharded AdamW in jittor, which refuses stage 3 by name); transformers + peft on
   PyTorch FSDP2 ``fully_shard`` with the same units (each decoder layer, then the root; stage 2:
   the frozen base ignored and no resharding after the forward, as DeepSpeed's ZeRO-2 keeps frozen
-  weights whole; stage 3: every parameter sharded). Each rank trains on its own ``batch`` rows.
+  weights whole; stage 3: every parameter sharded), or on DeepSpeed (``--hf-zero-engine
+  deepspeed``: ``deepspeed.initialize`` with the same torch AdamW, as the studies ran ZeRO). Each
+  rank trains on its own ``batch`` rows.
 
 A method name is ``BASE[-zSTAGE][-gc]`` (``lora_core.plan.memory.bench_method``): 18 names, of
 which the studies' table uses 13 (full; LoRA and QLoRA plain, ``-gc``, ``-z2``, ``-z3``,
@@ -34,6 +36,7 @@ from .bench_shapes import LLAMA_TARGETS, projections, targets
 
 TARGETS = LLAMA_TARGETS
 METHODS = BENCH_METHODS
+HF_ZERO_ENGINES = ("fsdp2", "deepspeed")  # what shards hf-peft's ZeRO rows (--hf-zero-engine)
 R, ALPHA, LR, SEED = 8, 16.0, 2e-4, 0
 
 
@@ -122,7 +125,7 @@ class HFPeft:
     ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``."""
 
     def __init__(self, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
-                 target_modules: tuple[str, ...] = TARGETS):
+                 target_modules: tuple[str, ...] = TARGETS, zero_engine: str = "fsdp2"):
         import warnings
 
         import peft
@@ -156,18 +159,29 @@ class HFPeft:
             lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(target_modules))
             self.model = peft.get_peft_model(model, lcfg)
             self._load_lora(load_file(lora_file))
-        self.world = 1
-        if trainable and self.zero:
+        self.world, self.engine = 1, None
+        if zero_engine not in HF_ZERO_ENGINES:
+            raise ValueError(f"hf-peft's ZeRO engine must be one of {HF_ZERO_ENGINES}, got {zero_engine!r}")
+        if trainable and self.zero and zero_engine == "fsdp2":
             self.world = _fsdp2(self.model, self.zero)
         if trainable:  # after fully_shard: an optimizer of the unsharded parameters would train nothing
             c = AdamWConfig()
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.opt = torch.optim.AdamW(params, lr=LR, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        if trainable and self.zero and zero_engine == "deepspeed":
+            self.engine, self.opt, self.world = _deepspeed(self.model, self.opt, self.zero)
 
     def memory_parts(self) -> dict[str, float]:
         """Bytes of every parameter and buffer as stored (bitsandbytes' packed codes and quant
         state for a 4-bit base), of the trainable parameters' gradients, and of the tensors in
-        ``torch.optim.AdamW``'s state (measured after the steps)."""
+        ``torch.optim.AdamW``'s state (measured after the steps). Under DeepSpeed, whose partitions
+        are not the modules' tensors: each rank's share of the weights (stage 3), gradients and
+        two fp32 moments by ZeRO's arithmetic."""
+        if self.engine is not None:
+            numel = sum(getattr(p, "ds_numel", None) or p.numel() for p in self.model.parameters())
+            trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in self.model.parameters() if p.requires_grad)
+            weights = 4.0 * numel / self.world if self.zero == 3 else _stored_bytes(self.model)
+            return {"weights": weights, "gradients": 4.0 * trained / self.world, "optimizer": 8.0 * trained / self.world}
         trainable = sum(_local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         state = sum(_local(t).numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
                     if isinstance(t, self.torch.Tensor) and t.dim() > 0)  # fmt: skip
@@ -193,11 +207,16 @@ class HFPeft:
 
         ids, targets = batch
         self.model.train()
-        logits = self.model(input_ids=ids).logits  # (B, T, V)
+        run = self.engine or self.model
+        logits = run(input_ids=ids).logits  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.engine is not None:  # DeepSpeed: its backward reduces (averages) the gradients, its step
+            self.engine.backward(loss)
+            self.engine.step()
+        else:
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss.item() / self.world
 
     def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
@@ -234,6 +253,24 @@ def _fsdp2(model, zero: int) -> int:
     return dist.get_world_size()
 
 
+def _deepspeed(model, optimizer, zero: int):
+    """ZeRO ``zero`` (2 or 3) on DeepSpeed for transformers + peft, in the job ``torchrun``
+    started (DeepSpeed picks its CPU accelerator and gloo by itself; its first run compiles a
+    small shared-memory op): ``deepspeed.initialize`` with the torch AdamW built above (DeepSpeed's
+    own CPU Adam would compile for minutes), fp32, every parameter partitioned at stage 3
+    (``stage3_param_persistence_threshold`` 0: by default small ones stay whole). The engine,
+    its optimizer and the world size."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, opt, dist.get_world_size()
+
+
 def _local(t):
     """This rank's part of a tensor (an FSDP2 ``DTensor``'s shard), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -251,13 +288,14 @@ def _our_name(peft_name: str) -> str:
 
 
 def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
-                target_modules: tuple[str, ...] = TARGETS):
+                target_modules: tuple[str, ...] = TARGETS, hf_zero_engine: str = "fsdp2"):
     """``ours-torch``, ``ours-jittor`` or ``hf-peft``, set up for ``method`` (``METHODS``), LoRA on
-    ``target_modules`` (``bench_shapes.targets``)."""
+    ``target_modules`` (``bench_shapes.targets``); ``hf_zero_engine``: what shards hf-peft's
+    ZeRO rows (``HF_ZERO_ENGINES``)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if name == "hf-peft":
-        return HFPeft(ckpt, lora_file, trainable, method, target_modules)
+        return HFPeft(ckpt, lora_file, trainable, method, target_modules, hf_zero_engine)
     return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method, target_modules)
 
 
