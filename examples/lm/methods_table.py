@@ -57,10 +57,15 @@ def predicted(settings: dict | None, system: str, method: str, measured: float |
         return None, None
     try:
         p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
-                       settings.get("vocab"), ranks=settings.get("ranks") or 2).peak  # fmt: skip
+                       settings.get("vocab"), ranks=settings.get("ranks") or 2, zero_engine=engine(settings, system)).peak  # fmt: skip
     except ValueError:  # a method the system refuses (jittor's ZeRO-3): no plan, as no measurement
         return None, None
     return p, (None if not measured else 100 * (p - measured) / measured)
+
+
+def engine(settings: dict, system: str) -> str | None:
+    """The ZeRO engine of a bench row when the bench chose it (hf-peft's ``--hf-zero-engine``)."""
+    return settings.get("hf_zero_engine") if system == "hf-peft" else None
 
 
 def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = None) -> list[dict]:

@@ -516,11 +516,13 @@ def bench_plan(
     vocab: int | None = None,
     sysm: System | None = None,
     ranks: int = 2,
+    zero_engine: str | None = None,
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
     ``vocab``: the bench's overrides of the preset (None: the preset's); ``sysm``: a ``System``
-    in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each)."""
+    in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
+    ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed)."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
@@ -529,4 +531,6 @@ def bench_plan(
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
                    ranks=ranks if zero else 1)  # fmt: skip
+    if zero_engine:
+        sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
     return plan(cfg, c, sysm)

@@ -83,7 +83,8 @@ def predict(row: dict, sysm: System | None = None) -> float:
     """The planner's peak (MB) for a bench row, with ``sysm`` in place of the row's system."""
     s = row["settings"]
     return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
-                      s.get("vocab"), sysm, s.get("ranks") or 2).peak  # fmt: skip
+                      s.get("vocab"), sysm, s.get("ranks") or 2,
+                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None).peak  # fmt: skip
 
 
 def check(rows: list[dict]) -> list[dict]:
