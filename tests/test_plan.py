@@ -253,3 +253,18 @@ def test_family_counts_replace_the_systems_llama_counts():
     with pytest.raises(ValueError, match="unknown model preset 'gpt3'"):
         preset_config("gpt3")
     assert preset_config("gpt2", layers=2, vocab=512).n_layer == 2 and preset_config("llama-bench", 3).num_hidden_layers == 3
+
+
+def test_cli_zero_engine_and_jittor_stage_3(capsys):
+    """``--zero-engine``: DeepSpeed's stage 2 keeps the weights whole, FSDP2's gathers the trained
+    ones beside its shards; Jittor's stage 3 is refused by name."""
+    args = ["--model", "llama-bench", "--method", "full", "--zero", "2", "--ranks", "2"]
+    weights = {}
+    for engine in ("fsdp2", "deepspeed"):
+        assert main([*args, "--zero-engine", engine]) == 0
+        out = capsys.readouterr().out
+        weights[engine] = float(next(ln for ln in out.splitlines() if ln.strip().startswith("weights")).split()[1])
+    assert weights["fsdp2"] == pytest.approx(1.5 * weights["deepspeed"], rel=1e-3)
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-llama", "--zero", "3", "--ranks", "2", "--system", "ours-jittor"])
+    assert "stage 3 is not available in ours-jittor" in capsys.readouterr().err

@@ -13,9 +13,10 @@ qwen2), or a preset name of ``lora_core.models.llama.PRESETS`` / ``lora_core.PRE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, PlanConfig, fmt_plan, plan, resolve_model
+from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConfig, fmt_plan, plan, resolve_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2, help="micro-batch (rows per rank)")
     p.add_argument("--seq", type=int, default=256, help="tokens per row")
     p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS))
+    p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
+                   help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline")
     return p
 
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         c = PlanConfig(method=args.method, targets=tuple(t for t in args.targets.split(",") if t), r=args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
                        seq=args.seq, system=args.system, overhead_mb=args.overhead_mb)  # fmt: skip
-        result = plan(cfg, c)
+        sysm = dataclasses.replace(SYSTEMS[c.system], zero_engine=args.zero_engine) if args.zero_engine else None
+        result = plan(cfg, c, sysm)
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(fmt_plan(result, c, name))
