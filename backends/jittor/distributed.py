@@ -4,7 +4,9 @@ on GPUs); contract in ``backends.torch.distributed``, semantics in ``lora_core.t
 ZeRO stage 2 (``zero=2``): the trained tensors are seen as one flat vector cut into contiguous
 slices, one per rank (``shard_range``); gradients are all-reduced as without ZeRO, each rank
 keeps the AdamW moments of its slice only, updates that slice, and the new values are
-all-gathered (an all-reduce of zero-padded slices: exact, since x + 0 = x). Stage 3 is
+all-gathered (an all-reduce of zero-padded slices: exact, since x + 0 = x). Both go tensor by
+tensor: a flat copy of every gradient and weight doubled full fine-tuning's peak per rank
+(5.3 GB against 2.7 GB without ZeRO on llama-bench). Stage 3 is
 refused: jittor's MPI ops offer no all-gather or reduce-scatter, so gathering a sharded
 parameter would cost a whole-size buffer per rank per use."""
 
@@ -124,23 +126,37 @@ class _ShardedAdamW(AdamW):
         return out
 
     def step(self, lr: float) -> None:
-        """Update this rank's slice, then all-gather the new values into every parameter."""
+        """Update this rank's slice, then all-gather the new values into every parameter, one
+        tensor at a time (its piece of the slice updated, then the tensor, zero-padded outside
+        the piece, summed over ranks), so that no flat copy of every trained tensor is made."""
         size = self._begin_step(lr)
         if size is None:
             return
         b1, b2 = self.cfg.betas
-        a, b = self.start, self.stop
+        grads, at, ms, vs = self._grads(), 0, [], []
         with jt.no_grad():
-            g = self._flat(self._grads())[a:b]
-            p = self._flat(self.params)[a:b]
-            m = self.m.update(self.m * b1 + g * (1 - b1))
-            v = self.v.update(self.v * b2 + g * g * (1 - b2))
-            new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
-            if self.cfg.weight_decay > 0:
-                new = new - jt.array(self.decay_mask * np.float32(lr * self.cfg.weight_decay)) * new
-            full = self._split(_all_gather_flat(new.numpy(), a, self.total))
-            for n, param in self.params.items():
-                assign_keep_grad(param, full[n])
+            for (n, param), k in zip(self.params.items(), self.sizes):
+                lo, hi = max(self.start, at), min(self.stop, at + k)  # this rank's piece, flat coordinates
+                buf = np.zeros(k, dtype=np.float32)
+                if lo < hi:
+                    i, j, u, w = lo - at, hi - at, lo - self.start, hi - self.start
+                    g, p = grads[n].reshape(-1)[i:j], param.reshape(-1)[i:j]
+                    m = self.m[u:w] * b1 + g * (1 - b1)
+                    v = self.v[u:w] * b2 + g * g * (1 - b2)
+                    new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
+                    if self.cfg.weight_decay > 0:
+                        new = new - jt.array(self.decay_mask[u:w] * np.float32(lr * self.cfg.weight_decay)) * new
+                    jt.sync([m, v, new])
+                    ms.append(m)
+                    vs.append(v)
+                    buf[i:j] = new.numpy()
+                full = jt.array(buf).mpi_all_reduce("add").reshape(self.shapes[n])
+                assign_keep_grad(param, full)
+                jt.sync([param])  # in order on every rank: the collectives match
+                at += k
+            if ms:
+                self.m.update(jt.concat(ms))
+                self.v.update(jt.concat(vs))
         jt.sync(list(self.params.values()) + [self.m, self.v])
         self.grads = None
 
@@ -162,16 +178,13 @@ class _ShardedAdamW(AdamW):
 
 
 def _all_reduce_grads(optimizer) -> None:
+    """Sum every gradient over the ranks, one tensor at a time in the same order on every rank
+    (each result computed before the next: the collectives match, and the previous gradient is
+    freed as its sum replaces it, so no flat copy of all of them is made)."""
     grads = optimizer.grads
-    names = list(grads)
-    flat = jt.concat([grads[n].reshape(-1) for n in names]).mpi_all_reduce("add")
-    out, at = {}, 0
-    for n in names:
-        size = int(np.prod(grads[n].shape))
-        out[n] = flat[at : at + size].reshape(grads[n].shape).stop_grad()
-        at += size
-    jt.sync(list(out.values()))
-    optimizer.grads = out
+    for n in list(grads):
+        grads[n] = grads[n].mpi_all_reduce("add").stop_grad()
+        jt.sync([grads[n]])
 
 
 def parallel_train_step(

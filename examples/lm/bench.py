@@ -215,7 +215,12 @@ def run_worker(spec: dict) -> dict:
     if spec.get("rank_dir"):  # one process of a ZeRO row's job: the parent merges the ranks' files
         from lora_core.train.distributed import discover_world
 
-        Path(spec["rank_dir"], f"rank-{discover_world().rank}.json").write_text(json.dumps(out))
+        rank = discover_world().rank
+        path = Path(spec["rank_dir"], f"rank-{rank}.json")
+        path.write_text(json.dumps(out))
+        # printed: a short line, not the result: the ranks share the launcher's stdout, and two
+        # long lines written at once interleave (a pipe keeps writes atomic up to 4 kB only)
+        return {"rank": rank, "result": str(path)}
     return out
 
 
