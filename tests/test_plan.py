@@ -54,12 +54,17 @@ def test_lora_trainable_and_frozen_bytes():
 def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
     c = dict(method="full", batch=1, seq=8)
     p0, p2, p3 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2)) for z in (0, 2, 3))
-    assert p2.gradients == p0.gradients / 2 and p2.optimizer == p0.optimizer / 2
+    assert p2.optimizer == p0.optimizer / 2
     assert p2.weights == p0.weights * 1.5  # FSDP2 stage 2: each rank's shard + the weights gathered whole
-    # two layers: the root unit and both layers are gathered at once, as the whole model
-    assert p3.gradients == p2.gradients and p3.weights == pytest.approx(p0.weights, rel=1e-12)
+    # two layers: the root unit and both layers are gathered at once, as the whole model, twice
+    assert p3.weights == pytest.approx(p0.weights / 2 + 2 * p0.weights, rel=1e-12)
+    # full FT: + a unit's whole gradients and its reduce-scatter input (the root's, the largest)
+    from lora_core.plan.memory import arch_of
+
+    assert p3.gradients == p2.gradients == pytest.approx(p0.gradients / 2 + 2 * arch_of(TINY).other_params * 4 / MB)
     gpu = [plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="gpu")) for z in (0, 2)]
     assert gpu[1].weights == gpu[0].weights  # DeepSpeed's stage 2 keeps the weights whole, unsharded
+    assert gpu[1].gradients == gpu[0].gradients / 2
     j0, j2 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="ours-jittor")) for z in (0, 2))
     assert j2.gradients == j0.gradients and j2.optimizer == j0.optimizer / 2  # its MPI engine: the moments only
     with pytest.raises(ValueError, match="stage 3 is not available in ours-jittor"):
@@ -68,8 +73,8 @@ def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
 
 def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     """ZeRO-3 on FSDP2 (LoRA, ours-torch): the frozen weights, mapped without ZeRO, become
-    shards of the process's own memory; gathered whole: the root unit (embeddings, final norm,
-    head) and two layers."""
+    shards of the process's own memory; gathered whole, twice (FSDP2's all-gather output and the
+    parameters copied out of it): the root unit (embeddings, final norm, head) and two layers."""
     from lora_core.plan.memory import arch_of
 
     cfg, a = PRESETS["llama-bench"], arch_of(PRESETS["llama-bench"])
@@ -77,7 +82,7 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     p0, p3 = plan(cfg, PlanConfig(**c)), plan(cfg, PlanConfig(**c, zero=3, ranks=2))
     assert p0.mapped > 0 and p3.mapped == 0
     layer = sum(i * o for i, o in a.proj.values()) + a.layer_small + p0.trainable / a.layers
-    expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + (a.other_params + 2 * layer) * 4 / 2
+    expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + 2 * (a.other_params + 2 * layer) * 4
     assert p3.weights * MB == pytest.approx(expect, rel=1e-9), N_frozen
 
 

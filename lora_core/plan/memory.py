@@ -23,11 +23,13 @@ per rank, bytes; P parameters, T trainable ones, N = micro-batch x sequence toke
                   ZeRO-2 on FSDP2: + the trained weights / ranks (each a shard, gathered whole
                   from the forward to the end of the backward);
                   (DeepSpeed's stage 2 keeps them whole, unsharded: no extra);
-                  ZeRO-3: the 4-bit codes whole (DeepSpeed: sharded), every other weight / ranks (a shard copied into
-                  the process's own memory: nothing stays mapped), plus gathered whole (x (1 -
-                  1/ranks)) two layers and FSDP2's root unit (embeddings, final norm, head)
-                  or, DeepSpeed, one (V, E) table
+                  ZeRO-3: the 4-bit codes whole (DeepSpeed: sharded), every other weight / ranks
+                  (a shard copied into the process's own memory: nothing stays mapped), plus
+                  gathered: FSDP2: two layers and the root unit (embeddings, final norm, head),
+                  each held twice (all-gather output, parameters copied out); DeepSpeed: two
+                  layers and one (V, E) table, x (1 - 1/ranks)
     gradients   = T x (4 | 2 for bf16 full FT)     / ranks at ZeRO >= 2 (FSDP2; Jittor's MPI: whole)
+                  + full FT on FSDP2: 2 x the root unit's (its whole gradients, the reduce-scatter input)
     optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
     activations = LoRA: act_scale x (N x (saved x act bytes + head + transient) + one dequantized weight)
                         + deq_kept x every quantized weight in fp32 (a lazy graph that keeps them)
@@ -357,8 +359,13 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         # DeepSpeed gathers each module as it runs: of the root's, one (V, E) table at a time
         root = a.vocab * a.hidden if ds else a.other_params
         gathered = root * wb + min(2, a.layers) * layer
-        weights = whole + own / c.ranks + gathered * (1 - 1 / c.ranks)
-    return weights, mapped, trainable * grad_b / shard_grads, trainable * opt_b / shard_opt
+        # FSDP2 holds a gathered unit twice: its all-gather output and the parameters copied out of it
+        weights = whole + own / c.ranks + (gathered * (1 - 1 / c.ranks) if ds else 2 * gathered)
+    grads = trainable * grad_b / shard_grads
+    if c.method == "full" and c.zero and sysm.zero_engine == "fsdp2":
+        # a unit's whole gradients and its reduce-scatter input, the root's (embeddings, head) last
+        grads += 2 * a.other_params * grad_b
+    return weights, mapped, grads, trainable * opt_b / shard_opt
 
 
 def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantized: int):
