@@ -101,7 +101,9 @@ def _all_gather_flat(local, start: int, total: int):
 
 
 class _ShardedAdamW(AdamW):
-    """``AdamW`` whose moments cover this rank's slice of the flattened trained tensors (ZeRO-2)."""
+    """``AdamW`` whose moments cover this rank's slice of the flattened trained tensors (ZeRO-2),
+    kept as one piece per tensor that overlaps the slice, so that an update replaces them one
+    at a time (a flat vector would hold the old and the new moments of the whole slice at once)."""
 
     def __init__(self, params: dict, cfg):
         super().__init__(params, cfg)
@@ -109,14 +111,14 @@ class _ShardedAdamW(AdamW):
         self.sizes = [int(np.prod(s)) for s in self.shapes.values()]
         self.total = sum(self.sizes)
         self.start, self.stop = shard_range(self.total, jt.world_size, jt.rank)
-        decay = np.concatenate([np.full(k, float(self.decay[n])) for n, k in zip(self.params, self.sizes)])
-        self.decay_mask = decay[self.start : self.stop].astype(np.float32)
-        n = self.stop - self.start
-        self.m = jt.zeros((n,)).stop_grad()  # moments of the slice only
-        self.v = jt.zeros((n,)).stop_grad()
-
-    def _flat(self, tensors: dict):
-        return jt.concat([tensors[n].reshape(-1) for n in self.params])
+        self.pieces, at = {}, 0  # name -> (i, j): this rank's elements [i, j) of the flattened tensor
+        for n, k in zip(self.params, self.sizes):
+            lo, hi = max(self.start, at), min(self.stop, at + k)
+            if lo < hi:
+                self.pieces[n] = (lo - at, hi - at)
+            at += k
+        self.m = {n: jt.zeros((j - i,)).stop_grad() for n, (i, j) in self.pieces.items()}  # the slice's moments
+        self.v = {n: jt.zeros((j - i,)).stop_grad() for n, (i, j) in self.pieces.items()}
 
     def _split(self, flat) -> dict:
         out, at = {}, 0
@@ -124,6 +126,10 @@ class _ShardedAdamW(AdamW):
             out[n] = flat[at : at + k].reshape(shape)
             at += k
         return out
+
+    def _slice(self, pieces: dict) -> np.ndarray:
+        """This rank's slice of the flat vector from per-tensor pieces (numpy)."""
+        return np.concatenate([pieces[n].numpy().reshape(-1) for n in self.pieces] or [np.zeros(0, np.float32)])
 
     def step(self, lr: float) -> None:
         """Update this rank's slice, then all-gather the new values into every parameter, one
@@ -133,37 +139,30 @@ class _ShardedAdamW(AdamW):
         if size is None:
             return
         b1, b2 = self.cfg.betas
-        grads, at, ms, vs = self._grads(), 0, [], []
+        grads = self._grads()
         with jt.no_grad():
-            for (n, param), k in zip(self.params.items(), self.sizes):
-                lo, hi = max(self.start, at), min(self.stop, at + k)  # this rank's piece, flat coordinates
+            for n, param in self.params.items():
+                k = int(np.prod(self.shapes[n]))
                 buf = np.zeros(k, dtype=np.float32)
-                if lo < hi:
-                    i, j, u, w = lo - at, hi - at, lo - self.start, hi - self.start
+                if n in self.pieces:
+                    i, j = self.pieces[n]
                     g, p = grads[n].reshape(-1)[i:j], param.reshape(-1)[i:j]
-                    m = self.m[u:w] * b1 + g * (1 - b1)
-                    v = self.v[u:w] * b2 + g * g * (1 - b2)
+                    m = self.m[n].update(self.m[n] * b1 + g * (1 - b1))
+                    v = self.v[n].update(self.v[n] * b2 + g * g * (1 - b2))
                     new = p - size * m / (jt.sqrt(v) + self.cfg.eps)
-                    if self.cfg.weight_decay > 0:
-                        new = new - jt.array(self.decay_mask[u:w] * np.float32(lr * self.cfg.weight_decay)) * new
+                    if self.cfg.weight_decay > 0 and self.decay[n]:
+                        new = new - lr * self.cfg.weight_decay * new  # AdamW.step's expression
                     jt.sync([m, v, new])
-                    ms.append(m)
-                    vs.append(v)
                     buf[i:j] = new.numpy()
                 full = jt.array(buf).mpi_all_reduce("add").reshape(self.shapes[n])
                 assign_keep_grad(param, full)
                 jt.sync([param])  # in order on every rank: the collectives match
-                at += k
-            if ms:
-                self.m.update(jt.concat(ms))
-                self.v.update(jt.concat(vs))
-        jt.sync(list(self.params.values()) + [self.m, self.v])
         self.grads = None
 
     def state_numpy(self) -> dict:
         """The whole moments (gathered from every rank: a collective) in ``pack_state``'s format."""
-        m = self._split(_all_gather_flat(self.m.numpy(), self.start, self.total))
-        v = self._split(_all_gather_flat(self.v.numpy(), self.start, self.total))
+        m = self._split(_all_gather_flat(self._slice(self.m), self.start, self.total))
+        v = self._split(_all_gather_flat(self._slice(self.v), self.start, self.total))
         state = pack_state({n: t.numpy().copy() for n, t in m.items()}, {n: t.numpy().copy() for n, t in v.items()},
                            self.t)
         return state if self.loss_scale is None else {**state, **self.loss_scale.state_numpy()}
@@ -173,8 +172,8 @@ class _ShardedAdamW(AdamW):
             state = self.loss_scale.load_state_numpy(state)
         m, v, self.t = unpack_state(list(self.params), state)
         for mine, whole in ((self.m, m), (self.v, v)):
-            flat = np.concatenate([np.asarray(whole[n], np.float32).reshape(-1) for n in self.params])
-            mine.update(jt.array(flat[self.start : self.stop]))
+            for n, (i, j) in self.pieces.items():
+                mine[n].update(jt.array(np.asarray(whole[n], np.float32).reshape(-1)[i:j].copy()))
 
 
 def _all_reduce_grads(optimizer) -> None:
