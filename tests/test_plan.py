@@ -187,6 +187,7 @@ def test_cli_prints_the_split(capsys):
 
 
 BENCH_JSONS = sorted((ROOT / "docs" / "bench").glob("lm_methods_*.json"))
+ZERO_JSONS = sorted((ROOT / "docs" / "bench").glob("lm_zero_*.json"))
 
 
 @pytest.mark.parametrize("path", BENCH_JSONS, ids=[p.name for p in BENCH_JSONS])
@@ -273,3 +274,22 @@ def test_cli_zero_engine_and_jittor_stage_3(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "tiny-llama", "--zero", "3", "--ranks", "2", "--system", "ours-jittor"])
     assert "stage 3 is not available in ours-jittor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ZERO_JSONS, ids=[p.name for p in ZERO_JSONS])
+def test_zero_rows_within_ten_percent(path):
+    """The ZeRO rows of the study's table (``examples.lm.bench --methods ...-z2,...-z3``, 2
+    processes; never in the fit): the planner's sharding arithmetic per engine (FSDP2 for
+    ours-torch and transformers + peft, DeepSpeed where the bench used it, Jittor's MPI AdamW)
+    against each rank's measured peak anonymous memory (``validate.OUTSIDE``: the rows it misses)."""
+    from lora_core.plan.memory import bench_method
+
+    rows = [r for r in check(bench_rows([path])) if bench_method(r["method"])[1]]
+    bad = [f"{r['system']} {r['method']}: predicted {r['predicted']:.0f} MB, measured {r['measured']:.0f} MB "
+           f"({r['error_pct']:+.1f}%)" for r in rows
+           if abs(r["error_pct"]) >= OUTSIDE.get((path.name, f"{r['system']} {r['method']}"), 10.0)]  # fmt: skip
+    assert rows and not bad, bad
+
+
+def test_zero_bench_jsons_committed():
+    assert ZERO_JSONS, "docs/bench/lm_zero_<shape>_<hash>.json: the ZeRO rows of the methods bench"

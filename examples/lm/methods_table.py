@@ -20,8 +20,10 @@ built minus those three (activations, temporaries of the backward pass, and what
 allocator keeps).
 
 ZeRO rows (``-z2``, ``-z3``: ``--ranks`` processes, each on the bench's batch): tokens/s over
-all ranks' rows, memory per rank (the rank with the largest peak), the time of a step the
-slowest rank's.
+all ranks' rows, its share of the peak of as many cores, memory per rank (the rank with the
+largest peak), the time of a step the slowest rank's. ``python -m examples.lm.methods_table
+A.json B.json ... --plot PNG`` merges runs of one shape into one table (a re-run's rows replace
+the earlier ones).
 
 The planner column: ``predicted MB`` is ``lora_core.plan.bench_plan`` for the row's method,
 system and shape (the memory planner, docs/planning.md), ``error %`` its difference from the
@@ -31,6 +33,8 @@ measured peak anonymous memory (the run's own: not the pages of the memory-mappe
 from __future__ import annotations
 
 from pathlib import Path
+
+from lora_core.plan.memory import bench_method
 
 PARTS = ("weights", "gradients", "optimizer", "activations")
 
@@ -78,12 +82,14 @@ def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = Non
         system, method = split_key(key)
         tok_s = m.get("train_tok_s")
         gflops = None if tok_s is None else method_flops(flops, method) * tok_s / 1e9
+        # a ZeRO row's tokens are every rank's, each rank on its own core: the peak of that many
+        cores = ((settings or {}).get("ranks") or 2) if bench_method(method)[1] else 1
         full = med.get(f"{system} full")
         base = full.get("train_peak_private_mb") if full else None
         private = m.get("train_peak_private_mb")
         pred, err = predicted(settings, system, method, m.get("train_peak_anon_mb"))
         out.append({"method": method, "system": system, "tok_s": tok_s, "gflops": gflops,
-                    "peak_fraction": None if gflops is None else gflops / peak_gflops,
+                    "peak_fraction": None if gflops is None else gflops / (cores * peak_gflops),
                     "s_per_100": None if not tok_s else 100 * m["median_step_s"],
                     "rss_mb": m.get("train_peak_rss_mb"), "private_mb": private, "anon_mb": m.get("train_peak_anon_mb"),
                     "vs_full": None if not (base and private) else private / base,
@@ -115,7 +121,9 @@ def plot(rows_: list[dict], path: Path, title: str) -> None:
 
     labels = [f"{r['method']}\n{r['system'].replace('ours-', '')}" for r in rows_]
     x = range(len(rows_))
-    fig, (a, b) = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(rows_) + 2), 7), sharex=True)
+    wide = len(rows_) > 18  # the study's 13 methods x 3 systems: narrower bars, labels turned
+    fig, (a, b) = plt.subplots(2, 1, figsize=(min(24.0, max(6.0, (0.45 if wide else 0.9) * len(rows_) + 2)), 8 if wide else 7),
+                               sharex=True)  # fmt: skip
     a.bar(x, [r["tok_s"] or 0 for r in rows_], color="#4c72b0")
     a.set_ylabel("tokens / s")
     a.set_title(title, fontsize=9)
@@ -128,7 +136,8 @@ def plot(rows_: list[dict], path: Path, title: str) -> None:
         bottom = [u + v for u, v in zip(bottom, vals)]
     b.set_ylabel("peak private memory above the baseline, MB")
     b.legend(fontsize=8)
-    b.set_xticks(list(x), labels, fontsize=7)
+    b.set_xticks(list(x), [lb.replace("\n", " ") for lb in labels] if wide else labels, fontsize=7,
+                 rotation=90 if wide else 0)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -157,3 +166,50 @@ def qlora_weight_lines(rows_: list[dict], cfg, r: int, targets: tuple[str, ...],
                        f"({quant / 1e6:.1f} M quantized x {NF4_BITS:.3f} bits + {(other + lora) / 1e6:.2f} M x 32 "
                        f"bits): {100 * (w / formula - 1):+.1f}%")
     return out
+
+
+def merged(paths: list[Path]) -> tuple[dict, list[dict]]:
+    """The methods rows of several bench JSONs of one shape (``--json``) as one table: a later
+    file's row replaces an earlier one's of the same method and system (a re-run), rows of
+    ``lora_core.plan.validate.SUPERSEDED`` and rows without a measurement are left out. The first
+    file's settings and GEMM peak (whose FLOP shares the table gives) and the rows."""
+    import json
+
+    from lora_core.plan.validate import SUPERSEDED
+
+    first, by_key = None, {}
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        first = first or d
+        for r in rows(d["summary"]["medians"], d["flops_per_token"], first["gemm"]["peak_gflops"], d["settings"]):
+            key = f"{r['system']} {r['method']}"
+            if r["tok_s"] is not None and (Path(path).name, key if r["method"] != "lora" else r["system"]) not in SUPERSEDED:
+                by_key[key] = r
+    full = {r["system"]: r["private_mb"] for r in by_key.values() if r["method"] == "full"}
+    out = [dict(r, vs_full=(r["private_mb"] / full[r["system"]] if full.get(r["system"]) else None)) for r in by_key.values()]
+    from .bench_systems import METHODS
+
+    return first, sorted(out, key=lambda r: (METHODS.index(r["method"]), r["system"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m examples.lm.methods_table A.json B.json ... [--plot PNG]``: :func:`merged`'s table."""
+    import argparse
+
+    from ..nlg.bench import _fmt
+
+    p = argparse.ArgumentParser(prog="python -m examples.lm.methods_table", description=main.__doc__)
+    p.add_argument("paths", nargs="+", type=Path, help="examples.lm.bench --json files, later ones re-runs")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of the merged table here")
+    args = p.parse_args(argv)
+    first, out = merged(args.paths)
+    print("\n".join(table_lines(out, _fmt)))
+    if args.plot:
+        s = first["settings"]
+        plot(out, args.plot, f"{s['shape']}, batch {s['batch']} x {s['block']} per process, {s['threads']} thread(s); "
+             f"{', '.join(p.stem for p in args.paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
