@@ -51,6 +51,12 @@ KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: `
 (do_sample False, no eos), after a 2-token warm-up; ``same`` says whether a system's tokens
 equal hf-peft's (or the first system's without it).
 
+ZeRO rows (methods ``-z2``, ``-z3``: ``bench_systems``): one job of ``--ranks`` processes,
+started with ``torchrun`` (ours-torch, hf-peft) or ``mpirun`` (ours-jittor); rank r trains on
+rows [r x batch, (r + 1) x batch) of the rows one process gets at ``--batch ranks x batch`` (so
+its loss curve is that run's), writes its result to a file, and the parent merges them
+(``merge_ranks``: memory per rank, the slowest step, tokens/s of all ranks' rows).
+
 The methods table's planner column (``lora_core.plan.bench_plan``) and 4-bit weights formula
 line (``methods_table.qlora_weight_lines``) cover both families.
 """
