@@ -29,6 +29,7 @@ from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.layers import decoding_weights
 from lora_core.models.build import causal_lm_from_pretrained
 from lora_core.models.llama import LlamaConfig, check_length, rope_tables
+from lora_core.train import heap
 
 from .gpt2 import KVCache, checkpointed
 from .lora import LoRALinear, linear_decode, pack_weight
@@ -168,6 +169,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class TrimHeap(torch.autograd.Function):
+    """The identity at a decoder layer's input, returning the freed heap to the OS
+    (``lora_core.train.heap``) where the forward pass enters the layer and where the backward
+    pass leaves it: a CPU training step's peak then holds its live tensors, not the free pages
+    glibc keeps of earlier layers' intermediates."""
+
+    @staticmethod
+    def forward(ctx, x):
+        heap.trim()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        heap.trim()
+        return g
+
+
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM (see module docstring)."""
 
@@ -241,7 +259,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids.reshape(-1) if dense else ids.reshape(-1).index_select(0, tok))
         unpad = (None, None, B, T) if dense else (tok, pad, B, T)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
+        trim = (self.training and torch.is_grad_enabled() and x.device.type == "cpu" and heap.available()
+                and not torch.compiler.is_compiling())  # fmt: skip
         for layer in self.model.layers:
+            x = TrimHeap.apply(x) if trim else x
             x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]
         return self.model.norm(x)
 

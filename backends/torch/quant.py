@@ -6,6 +6,8 @@ them), LoRA on top as in ``LoRALinear``."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -55,39 +57,60 @@ def _bnb_dequantize(layer) -> torch.Tensor | None:
     return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs)
 
 
-_SCRATCH: dict = {}  # numel -> one float32 CPU buffer that every product of that size dequantizes into
+CHUNK_BYTES = 16 << 20  # a product dequantizes at most this much of its weight at a time
+_SCRATCH: list = []  # one float32 CPU buffer of CHUNK_BYTES that every product dequantizes into
 
 
-def _bnb_dequantize_scratch(layer) -> torch.Tensor | None:
-    """The layer's float32 weight by bitsandbytes' CPU NF4 kernel written into a buffer kept
-    for every layer of that size (``_SCRATCH``), for a product that reads it at once: the
-    dequantized weight of a large projection (64 MB at Llama-3.2-1B's MLP) is otherwise a fresh
-    allocation above glibc's mmap threshold per product, whose page faults cost more than the
-    dequantization (measured, 8192 x 2048, one thread: 33 ms dequantized fresh, 12-26 ms into
-    the buffer). The same kernel and absmax steps as ``bitsandbytes.functional.dequantize_4bit``
-    (whose ``out=`` variant 0.50.2 does not register for the CPU), so the same bits; None where
-    they do not apply (``_bnb_dequantize`` then)."""
-    bnb_f = _import_bnb()
+def _scratch(n: int) -> torch.Tensor:
+    if not _SCRATCH or _SCRATCH[0].numel() < n:
+        _SCRATCH[:] = [torch.empty(max(n, CHUNK_BYTES // 4), dtype=torch.float32)]
+    return _SCRATCH[0][:n]
+
+
+def _absmax_for_kernel(layer) -> torch.Tensor | None:
+    """The layer's per-block float32 absmax as bitsandbytes' ``dequantize_4bit`` computes it
+    (the 8-bit absmax dequantized by its blockwise kernel, plus the offset), or None where its
+    CPU NF4 fp32 kernel does not apply (``_bnb_dequantize`` or ``dequantize`` then): no
+    bitsandbytes library, a weight off the CPU, rows not whole blocks (0.50.2's kernel scales a
+    block that spans two rows by another block's absmax), another compute dtype."""
     lib = _bnb_cpu_lib()
-    rows, cols = (int(np.prod(layer.shape[:-1])), layer.shape[-1])
-    if (bnb_f is None or lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2
+    cols = layer.shape[-1]
+    if (lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2
             or layer.blocksize >= 2048 or layer.compute_dtype != torch.float32):  # fmt: skip
         return None
-    absmax = layer.absmax
-    if layer.nested_absmax is not None:  # bitsandbytes' steps: the 8-bit absmax dequantized, plus the offset
-        nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_DYN, blocksize=layer.nested_blocksize,
-                                  dtype=torch.float32)
-        absmax = bnb_f.dequantize_blockwise(layer.absmax, nested)
-        absmax += layer.offset
-    absmax = absmax.float().contiguous()
-    n = rows * cols
-    out = _SCRATCH.get(n)
-    if out is None:
-        out = _SCRATCH[n] = torch.empty(n, dtype=torch.float32)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    lib.cdequantize_blockwise_cpu_nf4_fp32(ptr(layer.packed), ptr(absmax), ptr(out), ctypes.c_longlong(layer.blocksize),
-                                           ctypes.c_longlong(rows), ctypes.c_longlong(cols))  # fmt: skip
-    return out.view(layer.shape)
+    if layer.nested_absmax is None:
+        return layer.absmax.float().contiguous()
+    code = _DYN.contiguous()
+    absmax = torch.empty(layer.absmax.numel(), dtype=torch.float32)
+    lib.cdequantize_blockwise_cpu_fp32(_ptr(code), _ptr(layer.absmax), _ptr(layer.nested_absmax), _ptr(absmax),
+                                       ctypes.c_longlong(layer.nested_blocksize), ctypes.c_longlong(absmax.numel()))  # fmt: skip
+    absmax += layer.offset
+    return absmax
+
+
+def _ptr(t: torch.Tensor, offset: int = 0) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() + offset * t.element_size())
+
+
+def _dequantize_rows(layer, absmax: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows ``a:b`` of the layer's float32 weight, by bitsandbytes' CPU NF4 kernel, written into
+    the shared buffer (``_SCRATCH``): a fresh allocation per product would be one above glibc's
+    mmap threshold, whose page faults cost more than the dequantization (measured, 8192 x 2048,
+    one thread: 33 ms dequantized fresh, 12-26 ms into a kept buffer). The same kernel and absmax
+    steps as ``bitsandbytes.functional.dequantize_4bit``, so the same bits."""
+    cols = layer.shape[-1]
+    out = _scratch((b - a) * cols)
+    _bnb_cpu_lib().cdequantize_blockwise_cpu_nf4_fp32(
+        _ptr(layer.packed, a * cols // 2), _ptr(absmax, a * cols // layer.blocksize), _ptr(out),
+        ctypes.c_longlong(layer.blocksize), ctypes.c_longlong(b - a), ctypes.c_longlong(cols))  # fmt: skip
+    return out.view(b - a, cols)
+
+
+def _row_blocks(layer) -> list[tuple[int, int]]:
+    """Row ranges of at most ``CHUNK_BYTES`` of float32 weight each."""
+    rows, cols = int(np.prod(layer.shape[:-1])), layer.shape[-1]
+    step = max(1, CHUNK_BYTES // (4 * cols))
+    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
 def _import_bnb():
@@ -102,37 +125,61 @@ def _import_bnb():
 
 
 _LIB = []
+_KERNELS = ("cdequantize_blockwise_cpu_nf4_fp32", "cdequantize_blockwise_cpu_fp32")
 
 
 def _bnb_cpu_lib():
-    """bitsandbytes' native library where it has the CPU NF4 fp32 kernel, else None."""
+    """bitsandbytes' native CPU library where it has the NF4 and 8-bit fp32 kernels, else None.
+    Loaded by itself with ctypes, as bitsandbytes loads it: importing the Python package would
+    import torch's compiler stack with it (624 modules, 44 MB of private memory, measured)."""
     if not _LIB:
-        try:
-            from bitsandbytes.cextension import lib
-        except ImportError:
-            lib = None
-        _LIB.append(lib if lib is not None and hasattr(lib, "cdequantize_blockwise_cpu_nf4_fp32") else None)
+        lib = None
+        spec = importlib.util.find_spec("bitsandbytes")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            path = Path(folder) / "libbitsandbytes_cpu.so"
+            if path.exists():
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError:
+                    lib = None
+                break
+        _LIB.append(lib if lib is not None and all(hasattr(lib, k) for k in _KERNELS) else None)
     return _LIB[0]
 
 
-def _for_product(layer, dtype) -> torch.Tensor:
-    """The dequantized weight for one product that reads it at once (the scratch buffer where it applies)."""
-    w = _bnb_dequantize_scratch(layer) if dtype == torch.float32 else None
-    return layer.dequantized(dtype) if w is None else w
-
-
 class _Matmul4bit(torch.autograd.Function):
-    """``x W^T`` with W dequantized here and again for the input gradient (W is frozen); each
-    product reads the dequantized weight at once, so a buffer shared by the layers serves."""
+    """``x W^T`` with W dequantized here and again for the input gradient (W is frozen), at most
+    ``CHUNK_BYTES`` of rows at a time into one buffer shared by every layer (``_row_blocks``:
+    Llama-3.2-1B's MLP weights, 64 MB in float32, go in four pieces of 16 MB); where the kernel
+    does not apply, the whole dequantized weight (``LoRALinear4bit.dequantized``)."""
 
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        return F.linear(x, _for_product(layer, x.dtype))
+        absmax = _absmax_for_kernel(layer) if x.dtype == torch.float32 else None
+        if absmax is None:
+            return F.linear(x, layer.dequantized(x.dtype))
+        blocks = _row_blocks(layer)
+        if len(blocks) == 1:
+            return F.linear(x, _dequantize_rows(layer, absmax, *blocks[0]))
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2.new_empty(x2.shape[0], blocks[-1][1])
+        for a, b in blocks:
+            y[:, a:b] = x2 @ _dequantize_rows(layer, absmax, a, b).t()
+        return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, g):
-        return g @ _for_product(ctx.layer, g.dtype), None
+        layer = ctx.layer
+        absmax = _absmax_for_kernel(layer) if g.dtype == torch.float32 else None
+        if absmax is None:
+            return g @ layer.dequantized(g.dtype), None
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = None
+        for a, b in _row_blocks(layer):
+            w = _dequantize_rows(layer, absmax, a, b)
+            gx = g2[:, a:b] @ w if gx is None else gx.addmm_(g2[:, a:b], w)
+        return gx.view(*g.shape[:-1], -1), None
 
 
 class LoRALinear4bit(LoRALinear):

@@ -11,14 +11,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lora_core.train import heap
+
 from .precision import autocast
 
 
-def _gather_hidden(model, batch):
+def _loss_hidden(model, batch):
+    """Final hidden states at the loss positions (M, E) and their targets (M,)."""
     h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])  # (N, E) real tokens
     dev = h.device
     h = h.index_select(0, torch.from_numpy(batch["packed_loss_index"]).to(dev))  # loss positions only
-    return model.lm_logits(h), torch.from_numpy(batch["targets"]).to(dev)
+    return h, torch.from_numpy(batch["targets"]).to(dev)
+
+
+def _gather_hidden(model, batch):
+    h, targets = _loss_hidden(model, batch)
+    return model.lm_logits(h), targets
 
 
 def manual_seed(seed: int) -> None:
@@ -35,10 +43,60 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float 
     return nll
 
 
+class _HeadNLL(torch.autograd.Function):
+    """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (N, V) logits live only
+    inside this forward: the input gradient is computed here at once (the logits overwritten in
+    place by ``softmax - (1-eps) onehot - eps/V``, then ``head``'s own backward from them) and
+    kept, (N, E), for the backward pass, scaled there per position. The plain path keeps the
+    log-probabilities from the forward pass to the backward one and adds two more (N, V) tensors
+    there (the gradients of the log-probabilities and of the logits): at Llama 3's 128k vocabulary
+    and 256 tokens each is 131 MB. The same products, so the same time."""
+
+    @staticmethod
+    def forward(ctx, h, head, targets, label_smooth):
+        with torch.enable_grad():
+            leaf = h.detach().requires_grad_()
+            logits = head(leaf)
+        x = logits.detach().float()  # the logits themselves in fp32 (their backward does not read them)
+        n, v = x.shape
+        eps = float(label_smooth)
+        nll = x.gather(1, targets[:, None]).squeeze(1).neg_()
+        if eps > 0:
+            nll = (1.0 - eps) * nll - eps * x.mean(dim=-1)
+        top = x.amax(dim=-1, keepdim=True)
+        x.sub_(top).exp_()
+        total = x.sum(dim=-1, keepdim=True)
+        nll += (top + total.log()).squeeze(1)  # log-sum-exp: (1-eps) + eps of it
+        x.div_(total)  # softmax
+        if eps > 0:
+            x.sub_(eps / v)
+        x.scatter_add_(1, targets[:, None], x.new_full((n, 1), eps - 1.0))
+        (grad,) = torch.autograd.grad(logits, leaf, x.to(logits.dtype))
+        ctx.save_for_backward(grad)
+        return nll
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad * g[:, None].to(grad.dtype), None, None, None
+
+
+def _head_trains(model, h) -> bool:
+    """Whether the LM head has a trainable parameter (full FT's embedding, LoRA on it): read off
+    a zero-row product's graph."""
+    with torch.enable_grad():
+        return model.lm_logits(h[:0].detach()).requires_grad
+
+
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
-    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there)."""
-    logits, targets = _gather_hidden(model, batch)
-    return _token_nll(logits, targets, label_smooth).mean()
+    """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there);
+    with a frozen head whose logits take ``heap.HEAD_FUSED_MIN_BYTES`` or more, the (N, V)
+    tensors are not kept for the backward pass (``_HeadNLL``)."""
+    h, targets = _loss_hidden(model, batch)
+    big = h.shape[0] * model.config.vocab_size * 4 >= heap.HEAD_FUSED_MIN_BYTES
+    if big and torch.is_grad_enabled() and h.requires_grad and not _head_trains(model, h):
+        return _HeadNLL.apply(h, model.lm_logits, targets, label_smooth).mean()
+    return _token_nll(model.lm_logits(h), targets, label_smooth).mean()
 
 
 def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smooth: float = 0.0,

@@ -69,11 +69,16 @@ def describe_module(m, lora_kind, plain_kind, adapted_ok: bool = False):
     being refused."""
     kind = lora_kind(m)
     if kind is not None and adapted_ok:
-        return layer_description(kind, m.weight.shape)
+        return layer_description(kind, weight_shape(m))
     if kind is not None and m.r:
         return f"{type(m).__name__} already adapted (r={m.r})"
     kind = plain_kind(m)
-    return type(m).__name__ if kind is None else layer_description(kind, m.weight.shape)
+    return type(m).__name__ if kind is None else layer_description(kind, weight_shape(m))
+
+
+def weight_shape(m) -> tuple[int, ...]:
+    """A layer's weight shape; a 4-bit layer's (its ``packed`` codes) read off without dequantizing it."""
+    return tuple(m.shape) if hasattr(m, "packed") else tuple(m.weight.shape)
 
 
 def as_target_config(config: LoRATargetConfig | LoRAConfig) -> LoRATargetConfig:

@@ -32,17 +32,21 @@ per rank, bytes; P parameters, T trainable ones, N = micro-batch x sequence toke
                   + full FT on FSDP2: 2 x the root unit's (its whole gradients, the reduce-scatter input)
     optimizer   = T x (8 AdamW moments | 12 = moments + fp32 master for bf16 full FT) / ranks at ZeRO >= 2
     activations = LoRA: act_scale x (N x (saved x act bytes + head + transient) + one dequantized weight)
+                        (ours-torch: no whole dequantized weight; its kept buffer, ``deq_buffer_mb``)
                         + deq_kept x every quantized weight in fp32 (a lazy graph that keeps them)
                   full FT: emb_copies x the embedding table (the lookup's backward makes dense
                         (V, E) gradients while every other gradient exists; the activations
                         are freed by then)
         saved = layers x layer_saved | layers x hidden + layer_saved (GC)
         head  = 4 x (hidden (x2 trained) + head_nv x vocab): the (N, V) tensors at the head's backward
-                (log-softmax output and two gradients; transformers' caller also holds the logits)
+                (log-softmax output and two gradients; transformers' caller also holds the logits;
+                ours-torch with a frozen head: head_nv_frozen = 1, the logits, turned into their
+                gradient inside the loss's forward pass, none kept for the backward one)
         transient = (5 ffn + 2 hidden) x act bytes (SwiGLU's backward: incoming gradient, sigmoid,
                     products, both input gradients; the residual stream's two)
-    retained    = heap x (one layer's forward allocations + the head's four (N, V) tensors
-                  + QLoRA: one layer's weights dequantized twice (forward and backward))
+    retained    = heap x (one layer's forward allocations + the head's four (N, V) tensors (one
+                  with ours-torch's frozen head) + QLoRA: one layer's weights dequantized twice
+                  (forward and backward; none with a kept buffer))
                   + heap_layers x layers x one layer's forward allocations (the heap grows by layer)
                   + full FT: full_heap x the counted activations
                   each tensor counted only below the system's ``heap_ceiling_mb`` (glibc: the
@@ -60,6 +64,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from ..train.heap import HEAD_FUSED_MIN_BYTES
 
 MB = 2**20
 METHODS = ("full", "lora", "qlora")
@@ -115,6 +121,8 @@ class System:
     norm_saved: int = 1
     attn_probs: int = 0
     head_nv: int = 3
+    head_nv_frozen: int | None = None  # (N, V) tensors with a frozen head (LoRA, QLoRA); None: head_nv
+    deq_buffer_mb: float | None = None  # QLoRA: one kept buffer each product dequantizes into, in row pieces
     lora_outs: int = 1  # output-wide tensors a LoRA layer's forward allocates (1: ours-torch's fused addmm)
     gelu_saved: int = 1  # GPT-2: MLP-wide tensors GELU keeps (1: its input, a fused or custom backward)
     gelu_allocs: int = 1  # GPT-2: MLP-wide tensors GELU's forward allocates
@@ -135,7 +143,7 @@ class System:
 # the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
 SYSTEMS: dict[str, System] = {
     "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=45.0, mapped_kinds=("llama",),
-                         act_scale=0.82, heap=0.613, heap_layers=0.188, full_heap=0.236,
+                         act_scale=0.82, heap=0.613, heap_layers=0.188, full_heap=0.236, head_nv_frozen=1, deq_buffer_mb=16.0,
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
@@ -376,22 +384,24 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     saved = a.layers * a.hidden + nogc if c.gc else a.layers * nogc  # GC: each layer's input, one layer recomputed
     # LM head and loss (fp32): the final norm's input (and the head's, trained), log-softmax's
     # output (+ the logits where the caller holds them), then two (N, V) gradients
-    head = 4 * (a.hidden * (2 if c.method == "full" else 1) + sysm.head_nv * a.vocab)
+    nv = 4 * N * a.vocab
+    # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
+    frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
+    head = 4 * (a.hidden * (2 if c.method == "full" else 1) + (sysm.head_nv_frozen if frozen_head else sysm.head_nv) * a.vocab)
     transient = (5 * a.ffn + 2 * a.hidden) * ab  # SwiGLU's backward: its gradient, sigmoid, products, both grads
     counted = N * (saved * ab + head + transient)
     proj = [i * o for i, o in a.proj.values()]
     if c.method == "full":  # the embedding's backward, once the activations are freed
         live = sysm.emb_copies * a.vocab * a.hidden * (2 if c.precision == "bf16" else 4)
     else:
-        quant_tmp = max(proj) * 4 if quantized else 0  # one dequantized weight
-        live = sysm.act_scale * (counted + quant_tmp)
+        quant_tmp = max(proj) * 4 if quantized and sysm.deq_buffer_mb is None else 0  # one dequantized weight
+        live = sysm.act_scale * (counted + quant_tmp) + (sysm.deq_buffer_mb or 0) * MB * bool(quantized)
         live += (sysm.deq_kept_gc if c.gc else sysm.deq_kept) * 4 * quantized
     # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
     # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
     layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs, sysm.gelu_allocs).items() if _below(N * w * ab, ceil))
-    nv = 4 * N * a.vocab
-    heap = layer + (4 * nv if _below(nv, ceil) else 0)
-    heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized else 0
+    heap = layer + ((1 if frozen_head else 4) * nv if _below(nv, ceil) else 0)
+    heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized and sysm.deq_buffer_mb is None else 0
     retained = sysm.heap * heap + sysm.heap_layers * a.layers * layer  # and it grows by layer
     if c.method == "full":  # activations freed in the heap stay with the gradients
         kept = N * (saved * ab + transient) + (N * head if _below(nv, ceil) else 0)
