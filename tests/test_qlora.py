@@ -186,11 +186,21 @@ def test_torch_products_dequantize_rows_into_one_shared_buffer_bit_identically(d
         (g,) = torch.autograd.grad(y, x, gy)
         assert torch.equal(y, torch.nn.functional.linear(x, w))
         assert float((g - gy @ w).abs().max()) <= 1e-6 * float((gy @ w).abs().max())
+    import bitsandbytes.functional as bnb_f  # the reference (ours does not import the package)
+
+    for layer in layers:
+        qs = bnb_f.QuantState(absmax=layer.absmax, shape=torch.Size(layer.shape), code=tq._NF4, blocksize=64,
+                              quant_type="nf4", dtype=torch.float32, offset=layer.offset,
+                              state2=None if layer.nested_absmax is None else bnb_f.QuantState(
+                                  absmax=layer.nested_absmax, code=tq._DYN, blocksize=256, dtype=torch.float32))  # fmt: skip
+        assert torch.equal(tq._bnb_dequantize(layer), bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs))
     bf16 = tq.LoRALinear4bit(states[0], compute_dtype="bfloat16")
-    assert tq._absmax_for_kernel(bf16) is None  # other compute dtypes take the copying path
+    assert torch.equal(bf16.dequantized(), tq._bnb_dequantize(layers[0]).bfloat16().float())  # the copying path
     script = ("import sys, torch, numpy as np; from backends.torch import quant as tq; "
               "from lora_core.quant.nf4 import quantize_nf4; "
               "l = tq.LoRALinear4bit(quantize_nf4(np.ones((64, 128), np.float32), 64, True)); "
-              "l(torch.ones(2, 128)); assert tq._bnb_cpu_lib() is not None; print('bitsandbytes' in sys.modules)")
+              "t = tq.LoRALinear4bit(quantize_nf4(np.ones((3, 32), np.float32), 64, True)); "
+              "l(torch.ones(2, 128)); t(torch.ones(2, 32)); l.weight; t.weight; "
+              "assert tq._bnb_cpu_lib() is not None; print('bitsandbytes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"

@@ -39,12 +39,22 @@ _BNB = []  # bitsandbytes.functional once imported, or None where it is not inst
 
 
 def _bnb_dequantize(layer) -> torch.Tensor | None:
-    """The layer's float32 weight by bitsandbytes' own ``dequantize_4bit`` (its C++ kernel on the
-    CPU: bit-identical to ``dequantize`` here, measured 23x faster for a 2816 x 1024 weight), or
-    None without bitsandbytes or where a block spans two rows (rows not a multiple of the block)."""
+    """The layer's float32 weight (a fresh tensor) by bitsandbytes' kernels: on the CPU its native
+    NF4 kernel, loaded by itself (``_bnb_cpu_lib``: the package is not imported), elsewhere (CUDA)
+    its ``dequantize_4bit``; bit-identical to ``dequantize`` here, measured 23x faster for a
+    2816 x 1024 weight. None without bitsandbytes or where a block spans two rows (rows not a
+    multiple of the block: 0.50.2's CPU kernel scales such a block by another block's absmax)."""
+    if layer.shape[-1] % layer.blocksize:
+        return None
+    if layer.packed.device.type == "cpu":
+        absmax = _absmax_for_kernel(layer)
+        if absmax is None:
+            return None
+        rows = int(np.prod(layer.shape[:-1]))
+        out = torch.empty(rows * layer.shape[-1], dtype=torch.float32)
+        return _dequantize_rows(layer, absmax, 0, rows, out).view(layer.shape)
     bnb_f = _import_bnb()
-    if bnb_f is None or layer.shape[-1] % layer.blocksize:
-        # 0.50.2's CPU kernel scales a block that spans two rows by another block's absmax
+    if bnb_f is None:
         return None
     dev = layer.packed.device
     nested = None
@@ -70,13 +80,12 @@ def _scratch(n: int) -> torch.Tensor:
 def _absmax_for_kernel(layer) -> torch.Tensor | None:
     """The layer's per-block float32 absmax as bitsandbytes' ``dequantize_4bit`` computes it
     (the 8-bit absmax dequantized by its blockwise kernel, plus the offset), or None where its
-    CPU NF4 fp32 kernel does not apply (``_bnb_dequantize`` or ``dequantize`` then): no
-    bitsandbytes library, a weight off the CPU, rows not whole blocks (0.50.2's kernel scales a
-    block that spans two rows by another block's absmax), another compute dtype."""
+    CPU NF4 fp32 kernel does not apply (``dequantize`` then): no bitsandbytes library, a weight
+    off the CPU, rows not whole blocks (0.50.2's kernel scales a block that spans two rows by
+    another block's absmax)."""
     lib = _bnb_cpu_lib()
     cols = layer.shape[-1]
-    if (lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2
-            or layer.blocksize >= 2048 or layer.compute_dtype != torch.float32):  # fmt: skip
+    if lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2 or layer.blocksize >= 2048:
         return None
     if layer.nested_absmax is None:
         return layer.absmax.float().contiguous()
@@ -92,14 +101,14 @@ def _ptr(t: torch.Tensor, offset: int = 0) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() + offset * t.element_size())
 
 
-def _dequantize_rows(layer, absmax: torch.Tensor, a: int, b: int) -> torch.Tensor:
+def _dequantize_rows(layer, absmax: torch.Tensor, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``a:b`` of the layer's float32 weight, by bitsandbytes' CPU NF4 kernel, written into
     the shared buffer (``_SCRATCH``): a fresh allocation per product would be one above glibc's
     mmap threshold, whose page faults cost more than the dequantization (measured, 8192 x 2048,
     one thread: 33 ms dequantized fresh, 12-26 ms into a kept buffer). The same kernel and absmax
-    steps as ``bitsandbytes.functional.dequantize_4bit``, so the same bits."""
+    steps as ``bitsandbytes.functional.dequantize_4bit``, so the same bits. ``out``: write there instead."""
     cols = layer.shape[-1]
-    out = _scratch((b - a) * cols)
+    out = _scratch((b - a) * cols) if out is None else out
     _bnb_cpu_lib().cdequantize_blockwise_cpu_nf4_fp32(
         _ptr(layer.packed, a * cols // 2), _ptr(absmax, a * cols // layer.blocksize), _ptr(out),
         ctypes.c_longlong(layer.blocksize), ctypes.c_longlong(b - a), ctypes.c_longlong(cols))  # fmt: skip
@@ -114,7 +123,8 @@ def _row_blocks(layer) -> list[tuple[int, int]]:
 
 
 def _import_bnb():
-    """``bitsandbytes.functional``, imported once (``_BNB``), or None where it is not installed."""
+    """``bitsandbytes.functional``, imported once (``_BNB``), or None where it is not installed
+    (off the CPU only: the CPU path loads the native library by itself)."""
     if not _BNB:
         try:
             import bitsandbytes.functional as bnb_f
@@ -156,7 +166,7 @@ class _Matmul4bit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        absmax = _absmax_for_kernel(layer) if x.dtype == torch.float32 else None
+        absmax = _absmax_for_kernel(layer) if x.dtype == layer.compute_dtype == torch.float32 else None
         if absmax is None:
             return F.linear(x, layer.dequantized(x.dtype))
         blocks = _row_blocks(layer)
@@ -171,7 +181,7 @@ class _Matmul4bit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         layer = ctx.layer
-        absmax = _absmax_for_kernel(layer) if g.dtype == torch.float32 else None
+        absmax = _absmax_for_kernel(layer) if g.dtype == layer.compute_dtype == torch.float32 else None
         if absmax is None:
             return g @ layer.dequantized(g.dtype), None
         g2 = g.reshape(-1, g.shape[-1])

@@ -142,8 +142,12 @@ class System:
 # Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
 # the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
 SYSTEMS: dict[str, System] = {
-    "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=45.0, mapped_kinds=("llama",),
-                         act_scale=0.82, heap=0.613, heap_layers=0.188, full_heap=0.236, head_nv_frozen=1, deq_buffer_mb=16.0,
+    # Llama since 4a04648: the heap trimmed at each layer (no growth by layer, nothing of full FT's
+    # activations kept), heap and act_scale fitted; GPT-2's layers do not trim: its constants are
+    # the ones fitted before, on the Llama rows measured without trimming
+    "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=0.0, mapped_kinds=("llama",),
+                         act_scale=0.675, heap=0.821, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
+                         family={"gpt2": {"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236}},
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
