@@ -10,8 +10,10 @@ docs/planning.md). ``malloc_trim(0)`` hands every free page of the heap back
 when a later allocation touches it again. The torch backend calls it at each Llama decoder
 layer's input, in the forward pass and in the backward one: measured at Llama-3.2-1B widths
 (16 layers, batch 1 x 256), the peak private memory of LoRA 5778 -> 5568 MB and of QLoRA
-2670 -> 2359 MB, with no step time lost beyond the VM's spread (docs/llama.md). Set
-``LORA_MALLOC_TRIM=0`` to measure without it.
+2670 -> 2359 MB (docs/llama.md). It costs step time, the page faults of the returned pages
+touched again: a LoRA step on llama-bench took 1.085x as long at 4 x 512 tokens and 1.17x at
+2 x 256 (``python -m examples.lm.heap_trim_ab``, trimming alternated within one process). Set
+``LORA_MALLOC_TRIM=0`` for the speed (and the memory) without it.
 
 Elsewhere (no glibc, e.g. macOS or musl) ``trim`` does nothing and says so.
 """
