@@ -2,7 +2,8 @@
 (``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``): once where the forward pass
 enters a layer and once where the backward pass leaves it (where a gradient flows there: not
 below the first layer of LoRA, whose embedding is frozen), never in inference; the same
-gradients as without; ``LORA_MALLOC_TRIM=0`` turns it off."""
+gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
+``LORA_MALLOC_TRIM=1`` trims every training step, ``0`` none, another value is refused."""
 
 from __future__ import annotations
 
@@ -34,29 +35,64 @@ def _model(gc: bool):
     return bk, m, cfg
 
 
-@pytest.mark.skipif(not heap.available(), reason="no glibc malloc_trim")
-@pytest.mark.parametrize("gc", [False, True])
-def test_trims_twice_per_layer_in_training_only(gc, monkeypatch):
-    bk, m, cfg = _model(gc)
+def _calls_per_step(bk, m, cfg, monkeypatch):
+    """Trims in one training step's forward and backward passes, and whether the gradients equal
+    those of a step without trimming."""
     rng = np.random.default_rng(0)
     batch = collate([(list(rng.integers(1, cfg.vocab_size, 5)), list(rng.integers(1, cfg.vocab_size, 4))) for _ in range(2)])
-    m.zero_grad(set_to_none=True)
-    bk.lm_loss(m, batch, 0.0).backward()
-    ref = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     calls = []
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    with monkeypatch.context() as mp:
+        mp.setenv("LORA_MALLOC_TRIM", "0")
+        m.zero_grad(set_to_none=True)
+        bk.lm_loss(m, batch, 0.0).backward()
+        ref = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert not calls
     m.zero_grad(set_to_none=True)
     loss = bk.lm_loss(m, batch, 0.0)
-    assert len(calls) == cfg.num_hidden_layers  # forward: one per layer
+    fwd = len(calls)
     loss.backward()
-    # and one per layer in the backward pass, but the first: its input, the frozen embedding's output, takes no gradient
-    assert len(calls) == 2 * cfg.num_hidden_layers - 1
-    assert all(torch.equal(p.grad, ref[n]) for n, p in m.named_parameters() if p.grad is not None)
+    same = all(torch.equal(p.grad, ref[n]) for n, p in m.named_parameters() if p.grad is not None)
+    n = len(calls)
     with torch.no_grad():
         bk.lm_loss(m, batch, 0.0)
     m.eval()
     bk.lm_loss(m, batch, 0.0)
-    assert len(calls) == 2 * cfg.num_hidden_layers - 1  # no trimming without gradients or in eval mode
+    m.train()
+    assert len(calls) == n  # no trimming without gradients or in eval mode
+    return fwd, n - fwd, same
+
+
+@pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
+@pytest.mark.parametrize("mode,gc,trims", [("auto", False, False), ("auto", True, True), ("1", False, True),
+                                           ("on", True, True), ("0", True, False), ("off", False, False)])  # fmt: skip
+def test_trims_twice_per_layer_where_wanted(mode, gc, trims, monkeypatch):
+    bk, m, cfg = _model(gc)
+    monkeypatch.setenv("LORA_MALLOC_TRIM", mode)
+    fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
+    L = cfg.num_hidden_layers
+    # forward: one per layer; backward: one per layer but the first, whose input (the frozen
+    # embedding's output) takes no gradient
+    assert (fwd, bwd) == ((L, L - 1) if trims else (0, 0))
+    assert same
+
+
+@pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
+def test_a_4bit_base_trims_by_default(tmp_path, monkeypatch):
+    import backends.torch as bk
+
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = llama_config("tiny-llama")
+    save_file({k: torch.from_numpy(v) for k, v in init_llama_weights(cfg, 0).items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    m = bk.from_pretrained(tmp_path, quantize="nf4")
+    bk.inject_lora(m, lc.LoRATargetConfig(r=4, alpha=8.0, dropout=0.0, seed=1, target_modules=("q_proj", "v_proj")))
+    monkeypatch.delenv("LORA_MALLOC_TRIM", raising=False)
+    fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
+    assert (fwd, bwd) == (cfg.num_hidden_layers, cfg.num_hidden_layers - 1) and same
 
 
 def test_switched_off_by_the_environment():
@@ -64,3 +100,9 @@ def test_switched_off_by_the_environment():
     env = {**os.environ, "LORA_MALLOC_TRIM": "0"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_bad_mode_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("LORA_MALLOC_TRIM", "yes")
+    with pytest.raises(ValueError, match="LORA_MALLOC_TRIM='yes'"):
+        heap.wanted(False, False)

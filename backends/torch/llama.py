@@ -173,7 +173,8 @@ class TrimHeap(torch.autograd.Function):
     """The identity at a decoder layer's input, returning the freed heap to the OS
     (``lora_core.train.heap``) where the forward pass enters the layer and where the backward
     pass leaves it: a CPU training step's peak then holds its live tensors, not the free pages
-    glibc keeps of earlier layers' intermediates."""
+    glibc keeps of earlier layers' intermediates. Used where ``heap.wanted`` says (by default
+    with activation checkpointing or a 4-bit base)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -259,8 +260,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids.reshape(-1) if dense else ids.reshape(-1).index_select(0, tok))
         unpad = (None, None, B, T) if dense else (tok, pad, B, T)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
-        trim = (self.training and torch.is_grad_enabled() and x.device.type == "cpu" and heap.available()
-                and not torch.compiler.is_compiling())  # fmt: skip
+        trim = (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
+                and heap.wanted(recompute, any(getattr(m, "is_4bit", False) for m in self.modules()))
+                and heap.available() and not torch.compiler.is_compiling())  # fmt: skip
         for layer in self.model.layers:
             x = TrimHeap.apply(x) if trim else x
             x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]

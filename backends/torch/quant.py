@@ -195,6 +195,8 @@ class _Matmul4bit(torch.autograd.Function):
 class LoRALinear4bit(LoRALinear):
     """A frozen NF4 ``(out, in)`` weight plus ``LoRALinear``'s LoRA pair (added by ``add_lora``)."""
 
+    is_4bit = True  # a 4-bit base: its training steps trim the heap by default (lora_core.train.heap.wanted)
+
     def __init__(self, state: NF4State, bias: nn.Parameter | None = None, compute_dtype: str = "float32"):
         nn.Module.__init__(self)
         self.out_features, self.in_features = state.shape

@@ -14,6 +14,7 @@ Measured (AMD EPYC, 1 thread, 4a04648, llama-bench, LoRA): 4 x 512 tokens 15.16 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -36,8 +37,8 @@ def main(argv=None) -> int:
     from lora_core.train import heap
     from lora_core.train.optim import AdamWConfig
 
-    if not heap.available():
-        p.error("no glibc malloc_trim here (or LORA_MALLOC_TRIM=0): nothing to compare")
+    if heap._libc() is None:
+        p.error("no glibc malloc_trim here: nothing to compare")
     torch.set_num_threads(1)
     cfg = llama_config(a.shape)
     model = bk.LlamaForCausalLM(cfg)
@@ -50,16 +51,15 @@ def main(argv=None) -> int:
     half = a.block // 2
     batch = collate([(rng.integers(1, cfg.vocab_size, half).tolist(), rng.integers(1, cfg.vocab_size, a.block - half).tolist())
                      for _ in range(a.batch)])  # fmt: skip
-    lib = heap._libc()
+    os.environ["LORA_MALLOC_TRIM"] = "1"
     bk.train_step(model, opt, [batch], 1e-4)  # warm-up
     times = {"trim": [], "no trim": []}
     for i in range(a.steps):
         on = i % 2 == 0
-        heap._LIBC[:] = [lib if on else None]
+        os.environ["LORA_MALLOC_TRIM"] = "1" if on else "0"  # read at each step (heap.wanted)
         t = time.perf_counter()
         bk.train_step(model, opt, [batch], 1e-4)
         times["trim" if on else "no trim"].append(time.perf_counter() - t)
-    heap._LIBC[:] = [lib]
     for k, v in times.items():
         print(f"{k:8s} " + " ".join(f"{x:.2f}" for x in v) + f"  median {np.median(v):.2f} s")
     print(f"trim / no trim: {np.median(times['trim']) / np.median(times['no trim']):.3f}x  "

@@ -12,8 +12,12 @@ layer's input, in the forward pass and in the backward one: measured at Llama-3.
 (16 layers, batch 1 x 256), the peak private memory of LoRA 5778 -> 5568 MB and of QLoRA
 2670 -> 2359 MB (docs/llama.md). It costs step time, the page faults of the returned pages
 touched again: a LoRA step on llama-bench took 1.085x as long at 4 x 512 tokens and 1.17x at
-2 x 256 (``python -m examples.lm.heap_trim_ab``, trimming alternated within one process). Set
-``LORA_MALLOC_TRIM=0`` for the speed (and the memory) without it.
+2 x 256 (``python -m examples.lm.heap_trim_ab``, trimming alternated within one process).
+
+So by default (``LORA_MALLOC_TRIM=auto``, or unset) a run trims only where memory is what its
+method is for: with activation checkpointing or a 4-bit base (:func:`wanted`); plain LoRA and
+full fine-tuning keep the speed. ``LORA_MALLOC_TRIM=1`` trims every training step,
+``LORA_MALLOC_TRIM=0`` none.
 
 Elsewhere (no glibc, e.g. macOS or musl) ``trim`` does nothing and says so.
 """
@@ -35,24 +39,38 @@ _LIBC: list = []
 
 def _libc():
     if not _LIBC:
-        lib = None
-        if os.environ.get("LORA_MALLOC_TRIM", "1") != "0":
-            try:
-                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            except OSError:
-                lib = None
-            if lib is not None and not hasattr(lib, "malloc_trim"):
-                lib = None
-        _LIBC.append(lib)
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            lib = None
+        _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
     return _LIBC[0]
+
+
+MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+
+
+def mode() -> str:
+    """``auto``, ``on`` or ``off``, from ``LORA_MALLOC_TRIM`` (unset or ``auto``; ``1``/``on``;
+    ``0``/``off``); another value is refused naming the variable."""
+    v = os.environ.get("LORA_MALLOC_TRIM", "auto").strip().lower()
+    if v not in MODES:
+        raise ValueError(f"LORA_MALLOC_TRIM={v!r}: expected auto, 1 (on) or 0 (off)")
+    return MODES[v]
+
+
+def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
+    """Whether a training step trims: ``on`` always, ``off`` never, ``auto`` (the default) with
+    activation checkpointing or a 4-bit base, the methods chosen for their memory."""
+    m = mode()
+    return m == "on" or (m == "auto" and (grad_checkpoint or quantized))
 
 
 def available() -> bool:
     """Whether ``trim`` returns memory here (glibc, and not turned off by ``LORA_MALLOC_TRIM=0``)."""
-    return _libc() is not None
+    return mode() != "off" and _libc() is not None
 
 
 def trim() -> bool:
     """Give the heap's free pages back to the OS (``malloc_trim(0)``); True if any were."""
-    lib = _libc()
-    return bool(lib.malloc_trim(0)) if lib is not None else False
+    return bool(_libc().malloc_trim(0)) if available() else False
