@@ -79,11 +79,11 @@ def test_trims_twice_per_layer_where_wanted(mode, gc, trims, monkeypatch):
 
 @pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
 def test_a_4bit_base_trims_by_default(tmp_path, monkeypatch):
-    import backends.torch as bk
-
     import json
 
     from safetensors.torch import save_file
+
+    import backends.torch as bk
 
     cfg = llama_config("tiny-llama")
     save_file({k: torch.from_numpy(v) for k, v in init_llama_weights(cfg, 0).items()}, str(tmp_path / "model.safetensors"))

@@ -88,7 +88,7 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
 
 def test_gc_keeps_one_layer_input_per_layer():
     cfg = PRESETS["llama-bench"]
-    c = dict(method="lora", batch=2, seq=16)
+    c = dict(method="lora", batch=2, seq=16, heap_trim="on")  # the same constants with and without GC
     on, off = plan(cfg, PlanConfig(**c, gc=True)), plan(cfg, PlanConfig(**c, gc=False))
     assert on.per_layer_gc * MB == 2 * 16 * cfg.hidden_size * 4
     L, scale = cfg.num_hidden_layers, SYSTEMS["ours-torch"].act_scale
@@ -108,7 +108,7 @@ def test_heap_keeps_only_tensors_below_the_mmap_ceiling():
     # one (N, V) fp32 tensor: 256 x 8000 x 4 = 7.8 MB (kept by the heap, four of them) or
     # 256 x 128256 x 4 = 125 MB (mmapped by glibc, returned when freed)
     unit = dataclasses.replace(SYSTEMS["ours-torch"], heap=1.0, full_heap=0.0, head_nv_frozen=None)
-    c = PlanConfig(method="lora", batch=1, seq=256)
+    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on")
     small, big, tiny = (plan(llama_config("llama-bench", vocab_size=v), c, unit) for v in (8000, 128256, 16))
     assert (small.retained - tiny.retained) * MB == pytest.approx(4 * 256 * (8000 - 16) * 4)
     assert big.retained == pytest.approx(tiny.retained - 4 * 256 * 16 * 4 / MB)
@@ -127,12 +127,37 @@ def test_frozen_head_keeps_one_logits_tensor_from_32_mb():
     cfg = llama_config("llama-bench", vocab_size=128256)
     per_nv = 256 * 128256 * 4 / MB * s.act_scale
     for method, nvs in (("lora", 1), ("full", 3)):
-        c = PlanConfig(method=method, batch=1, seq=256)
+        c = PlanConfig(method=method, batch=1, seq=256, heap_trim="on")
         plain = plan(cfg, c, dataclasses.replace(s, head_nv_frozen=None))
         assert plain.activations - plan(cfg, c).activations == pytest.approx((3 - nvs) * per_nv if method == "lora" else 0)
     small = llama_config("llama-bench", vocab_size=8000)  # 256 x 8000 x 4 = 7.8 MB: the plain path
-    c = PlanConfig(method="lora", batch=1, seq=256)
+    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on")
     assert plan(small, c).activations == pytest.approx(plan(small, c, dataclasses.replace(s, head_nv_frozen=None)).activations)
+
+
+def test_ours_torch_trims_the_heap_where_its_runs_do():
+    """ours-torch's Llama steps trim glibc's heap at each layer by default only with GC or a 4-bit
+    base (``lora_core.train.heap.trims``): the planner takes the trimmed constants there, the
+    untrimmed ones elsewhere (plain LoRA, full FT, every GPT-2 run), as ``heap_trim`` says."""
+    s = SYSTEMS["ours-torch"]
+    fields = ("act_scale", "heap", "heap_layers", "full_heap")
+    trimmed = dataclasses.replace(s, untrimmed={})  # the same system, always with its trimmed constants
+    untrimmed = dataclasses.replace(s, untrimmed={}, **s.untrimmed)
+    assert s.trim_kinds == ("llama",) and set(s.untrimmed) == set(fields)
+    assert any(getattr(s, f) != s.untrimmed[f] for f in fields)
+    llama, gpt2 = PRESETS["llama-bench"], GPT2_PRESETS["gpt2"]
+    for cfg, method, gc, mode, trims in (
+        (llama, "lora", False, "auto", False), (llama, "lora", True, "auto", True), (llama, "qlora", False, "auto", True),
+        (llama, "full", False, "auto", False), (llama, "full", True, "auto", True), (llama, "lora", False, "on", True),
+        (llama, "qlora", True, "off", False), (gpt2, "lora", True, "auto", False), (gpt2, "lora", False, "on", False),
+    ):  # fmt: skip
+        targets = ("c_attn",) if cfg is gpt2 else ("q_proj", "v_proj")
+        c = PlanConfig(method=method, targets=targets, gc=gc, batch=2, seq=64, heap_trim=mode)
+        want = plan(cfg, c, trimmed if trims else untrimmed).peak
+        assert plan(cfg, c).peak == pytest.approx(want, rel=1e-12), (method, gc, mode)
+        assert plan(cfg, c).peak != pytest.approx(plan(cfg, c, untrimmed if trims else trimmed).peak, rel=1e-6)
+    with pytest.raises(ValueError, match="heap_trim 'yes'"):
+        PlanConfig(heap_trim="yes")
 
 
 def test_jittor_qlora_keeps_every_dequantized_weight_without_gc():

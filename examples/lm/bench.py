@@ -73,6 +73,8 @@ import threading
 import time
 from pathlib import Path
 
+from lora_core.train.heap import mode as heap_mode
+
 from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
 from .bench_shapes import (
@@ -537,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("json", "plot")}
         settings["code"] = version
+        settings["malloc_trim"] = heap_mode()  # ours-torch's heap trim (lora_core.train.heap): the planner's too
         out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip
         args.json.write_text(json.dumps(out, indent=1))

@@ -15,8 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.gpt2 import LoRAConfig
-from .targeting import (LayerPlan, LoRATargetConfig, TargetError, in_saved_module, init_lora_arrays, plan_injection,
-                        trainable_names)
+from .targeting import (
+    LayerPlan,
+    LoRATargetConfig,
+    TargetError,
+    in_saved_module,
+    init_lora_arrays,
+    plan_injection,
+    trainable_names,
+)
 
 RECORD = "lora_injection"
 

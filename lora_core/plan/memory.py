@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..train.heap import HEAD_FUSED_MIN_BYTES
+from ..train.heap import HEAD_FUSED_MIN_BYTES, trims
 
 MB = 2**20
 METHODS = ("full", "lora", "qlora")
@@ -130,6 +130,11 @@ class System:
     # too, gathered through the step; stage 3 every weight), "deepspeed" (stage 2 keeps the weights
     # whole), "mpi" (Jittor's: the AdamW moments only; no stage 3)
     zero_engine: str = "fsdp2"
+    # the model kinds whose training steps can return glibc's freed heap at each layer
+    # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
+    # that does not (the fields above are those of one that does)
+    trim_kinds: tuple[str, ...] = ()
+    untrimmed: dict = field(default_factory=dict)
     family: dict = field(default_factory=dict)  # per model kind: the fields above that differ (``for_kind``)
     note: str = ""
 
@@ -142,12 +147,14 @@ class System:
 # Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
 # the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
 SYSTEMS: dict[str, System] = {
-    # Llama since 4a04648: the heap trimmed at each layer (no growth by layer, nothing of full FT's
-    # activations kept), heap and act_scale fitted; GPT-2's layers do not trim: its constants are
-    # the ones fitted before, on the Llama rows measured without trimming
+    # Llama with the heap trimmed at each layer (4a04648; by default since c2cfa46 only with GC or
+    # a 4-bit base): no growth by layer, nothing of full FT's activations kept, heap and act_scale
+    # fitted; a run that does not trim (GPT-2's layers never do) keeps the constants fitted before
+    # 4a04648 on the Llama rows measured without trimming
     "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=0.0, mapped_kinds=("llama",),
                          act_scale=0.675, heap=0.821, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
-                         family={"gpt2": {"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236}},
+                         trim_kinds=("llama",),
+                         untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
@@ -198,6 +205,7 @@ class PlanConfig:
     seq: int = 256
     system: str = "ours-torch"
     overhead_mb: float | None = None  # replaces the system's base_mb (a measured baseline)
+    heap_trim: str = "auto"  # LORA_MALLOC_TRIM's mode (lora_core.train.heap): auto, on, off
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -214,6 +222,8 @@ class PlanConfig:
             )
         if self.system not in SYSTEMS:
             raise ValueError(f"system {self.system!r} is not one of {tuple(SYSTEMS)}")
+        if self.heap_trim not in ("auto", "on", "off"):
+            raise ValueError(f"heap_trim {self.heap_trim!r} is not one of ('auto', 'on', 'off')")
         for name in ("r", "batch", "seq"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "r" else 1):
@@ -418,6 +428,9 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     ``sysm``: a ``System`` in place of ``SYSTEMS[c.system]`` (fitting its constants)."""
     a = arch_of(cfg)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
+    quantized_base = c.method == "qlora"
+    if sysm.untrimmed and not (a.kind in sysm.trim_kinds and trims(c.heap_trim, c.gc, quantized_base)):
+        sysm = dataclasses.replace(sysm, **sysm.untrimmed)
     if sysm.zero_engine not in ZERO_ENGINES:
         raise ValueError(f"System.zero_engine must be one of {ZERO_ENGINES}, got {sysm.zero_engine!r}")
     if c.zero == 3 and sysm.zero_engine == "mpi":
@@ -538,12 +551,14 @@ def bench_plan(
     sysm: System | None = None,
     ranks: int = 2,
     zero_engine: str | None = None,
+    heap_trim: str = "auto",
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
     ``vocab``: the bench's overrides of the preset (None: the preset's); ``sysm``: a ``System``
     in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
-    ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed)."""
+    ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed);
+    ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``)."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
@@ -551,7 +566,7 @@ def bench_plan(
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
-                   ranks=ranks if zero else 1)  # fmt: skip
+                   ranks=ranks if zero else 1, heap_trim=heap_trim)  # fmt: skip
     if zero_engine:
         sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
     return plan(cfg, c, sysm)

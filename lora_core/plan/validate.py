@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models import gpt2
+from ..train.heap import trims
 from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap"),
@@ -117,10 +118,19 @@ def bench_rows(paths) -> list[dict]:
             anon = [r["train_peak_anon_mb"] for r in runs if r.get("train_peak_anon_mb") is not None]
             if not anon or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
                 continue
-            out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s,
+            # ours-torch's heap trim mode (lora_core.train.heap), recorded since c2cfa46 (and added to the
+            # files of 4a04648-c2cfa46, when every Llama step trimmed: "on"); none before 4a04648
+            trim = s.get("malloc_trim") or "off"
+            out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
                         "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
                         "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip
     return out
+
+
+def trimmed(row: dict) -> bool:
+    """Whether the row's run trimmed the heap at each layer (``lora_core.train.heap``)."""
+    base, _, gc = bench_method(row["method"])
+    return row["family"] in SYSTEMS[row["system"]].trim_kinds and trims(row.get("heap_trim", "auto"), gc, base == "qlora")
 
 
 def predict(row: dict, sysm: System | None = None) -> float:
@@ -128,7 +138,7 @@ def predict(row: dict, sysm: System | None = None) -> float:
     s = row["settings"]
     return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
                       s.get("vocab"), sysm, s.get("ranks") or 2,
-                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None).peak  # fmt: skip
+                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto")).peak  # fmt: skip
 
 
 def check(rows: list[dict]) -> list[dict]:
@@ -146,7 +156,8 @@ def fit(rows: list[dict], system: str) -> dict[str, float]:
     reweighted least squares, starting from the plain least squares)."""
     names, base = FITTED[system], SYSTEMS[system]
     zero = dataclasses.replace(base, **{n: 0.0 for n in names})
-    rs = [r for r in rows if r["system"] == system and r["family"] == FIT_FAMILY and not bench_method(r["method"])[1]]
+    rs = [r for r in rows if r["system"] == system and r["family"] == FIT_FAMILY and not bench_method(r["method"])[1]
+          and (not base.untrimmed or trimmed(r))]  # a system's untrimmed constants are not these
     x0 = np.array([predict(r, zero) for r in rs])
     X = np.stack([np.array([predict(r, dataclasses.replace(zero, **{n: 1.0})) for r in rs]) - x0 for n in names], 1)
     y = np.array([r["measured"] for r in rs])

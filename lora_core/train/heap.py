@@ -59,11 +59,17 @@ def mode() -> str:
     return MODES[v]
 
 
+def trims(mode_: str, grad_checkpoint: bool, quantized: bool) -> bool:
+    """The rule: ``on`` always, ``off`` never, ``auto`` with activation checkpointing or a
+    4-bit base, the methods chosen for their memory (the planner applies it too)."""
+    if mode_ not in ("auto", "on", "off"):
+        raise ValueError(f"heap trim mode {mode_!r}: expected auto, on or off")
+    return mode_ == "on" or (mode_ == "auto" and (grad_checkpoint or quantized))
+
+
 def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
-    """Whether a training step trims: ``on`` always, ``off`` never, ``auto`` (the default) with
-    activation checkpointing or a 4-bit base, the methods chosen for their memory."""
-    m = mode()
-    return m == "on" or (m == "auto" and (grad_checkpoint or quantized))
+    """Whether a training step trims here: :func:`trims` with ``LORA_MALLOC_TRIM``'s mode."""
+    return trims(mode(), grad_checkpoint, quantized)
 
 
 def available() -> bool:
