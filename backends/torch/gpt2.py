@@ -281,12 +281,18 @@ def checkpointed(block, x: torch.Tensor, *args) -> torch.Tensor:
     blocks return their KV pair too) on the real tokens ``x`` (N, E) without keeping its activations:
     ``torch.utils.checkpoint`` recomputes them in the backward pass (it restores the RNG, so
     framework dropout repeats; numpy parity masks are replayed by ``BlockMasks``)."""
+    return checkpointed_to(lambda h, *a: first(block(h, *a)), block, x, *args)
+
+
+def checkpointed_to(fn, block, x: torch.Tensor, *args):
+    """``fn(x, *args)`` (a tensor or a tuple of them), part of ``block``'s forward, without
+    keeping its activations: :func:`checkpointed` for a part of a block."""
     masks = BlockMasks(block.modules())  # per layer: the first pass records
 
     def run(h):
         sources = masks.start()
         try:
-            return first(block(h, *args))
+            return fn(h, *args)
         finally:
             masks.stop(sources)
 

@@ -31,7 +31,7 @@ from lora_core.models.build import causal_lm_from_pretrained
 from lora_core.models.llama import LlamaConfig, check_length, rope_tables
 from lora_core.train import heap
 
-from .gpt2 import KVCache, checkpointed
+from .gpt2 import KVCache, checkpointed, checkpointed_to
 from .lora import LoRALinear, linear_decode, pack_weight
 
 
@@ -160,6 +160,22 @@ class LlamaDecoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
+    def down_keeps_nothing(self) -> bool:
+        """Whether ``mlp.down_proj`` keeps nothing for the backward pass: frozen, without LoRA
+        (its input gradient needs only its weight). Activation checkpointing then leaves it out
+        of what is recomputed (:meth:`before_down`)."""
+        d = self.mlp.down_proj
+        return not d.r and not any(p.requires_grad for n, p in d.named_parameters() if not n.endswith("bias"))
+
+    def before_down(self, x, rope, unpad=None):
+        """The training forward up to ``mlp.down_proj``: the residual stream after attention and
+        SwiGLU's output; ``forward``'s output is ``x + mlp.down_proj(h)`` of these, the same ops."""
+        a, _ = self.self_attn(self.input_layernorm(x), rope, None, None, unpad)
+        x = x + a
+        m, y = self.mlp, self.post_attention_layernorm(x)
+        gate, up = m.gate_proj(y), m.up_proj(y)
+        return x, SwiGLU.apply(gate, up) if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) else F.silu(gate) * up
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
@@ -265,7 +281,11 @@ class LlamaForCausalLM(nn.Module):
                 and heap.available() and not torch.compiler.is_compiling())  # fmt: skip
         for layer in self.model.layers:
             x = TrimHeap.apply(x) if trim else x
-            x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]
+            if recompute and layer.down_keeps_nothing():  # recompute up to down_proj: 26% fewer GEMMs at Llama widths
+                x, h = checkpointed_to(layer.before_down, layer, x, rope, unpad)
+                x = x + layer.mlp.down_proj(h)
+            else:
+                x = checkpointed(layer, x, rope, None, None, unpad) if recompute else layer(x, rope, None, None, unpad)[0]
         return self.model.norm(x)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
