@@ -454,7 +454,7 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
         ratios[f"{a} / {b}"] = row
         lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
-    methods = rows(all_med, flops, peak["peak_gflops"], vars(args))
+    methods = rows(all_med, flops, peak["peak_gflops"], {**vars(args), "malloc_trim": heap_mode()})
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
