@@ -230,6 +230,19 @@ def test_cli_prints_the_split(capsys):
     assert e.value.code == 2 and "shards nothing" in capsys.readouterr().err
 
 
+def test_cli_heap_trim_mode(capsys):
+    """``--heap-trim``: the run's ``LORA_MALLOC_TRIM`` mode; plain LoRA on a Llama trims only with ``on``."""
+    peaks = {}
+    for mode in ("auto", "on", "off"):
+        assert main(["--model", "llama-bench", "--batch", "4", "--seq", "512", "--heap-trim", mode]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per-rank peak"))
+        peaks[mode] = float(line.split()[2])
+    c = PlanConfig(batch=4, seq=512)
+    assert peaks["auto"] == peaks["off"] == pytest.approx(plan(PRESETS["llama-bench"], c).peak, abs=0.05)
+    assert peaks["on"] == pytest.approx(plan(PRESETS["llama-bench"], dataclasses.replace(c, heap_trim="on")).peak, abs=0.05)
+    assert peaks["on"] < peaks["off"] - 100  # the trimmed heap: no growth by layer
+
+
 BENCH_JSONS = sorted((ROOT / "docs" / "bench").glob("lm_methods_*.json"))
 ZERO_JSONS = sorted((ROOT / "docs" / "bench").glob("lm_zero_*.json"))
 

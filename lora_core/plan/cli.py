@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
                    help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline")
+    p.add_argument("--heap-trim", default="auto", choices=("auto", "on", "off"),
+                   help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
+                        "auto: with --gc or a 4-bit base)")
     return p
 
 
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, name = resolve_model(args.model)
         c = PlanConfig(method=args.method, targets=tuple(t for t in args.targets.split(",") if t), r=args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
-                       seq=args.seq, system=args.system, overhead_mb=args.overhead_mb)  # fmt: skip
+                       seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim)  # fmt: skip
         sysm = dataclasses.replace(SYSTEMS[c.system], zero_engine=args.zero_engine) if args.zero_engine else None
         result = plan(cfg, c, sysm)
     except (ValueError, OSError) as e:
