@@ -477,7 +477,7 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
     lines = [f"model {name}: {p.params / 1e6:.1f} M parameters, {p.trainable / 1e6:.2f} M trainable "
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
              f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
-             f"system {c.system} ({sysm.note})",
+             f"system {c.system} ({sysm.note})" + (f", heap trim {c.heap_trim}" if sysm.trim_kinds else ""),
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
