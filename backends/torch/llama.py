@@ -162,10 +162,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def down_keeps_nothing(self) -> bool:
         """Whether ``mlp.down_proj`` keeps nothing for the backward pass: frozen, without LoRA
-        (its input gradient needs only its weight). Activation checkpointing then leaves it out
-        of what is recomputed (:meth:`before_down`)."""
+        (its input gradient needs only its weight), and the layer runs without module hooks (a
+        sharded layer gathers its parameters in its own). Activation checkpointing then leaves
+        it out of what is recomputed (:meth:`before_down`)."""
         d = self.mlp.down_proj
-        return not d.r and not any(p.requires_grad for n, p in d.named_parameters() if not n.endswith("bias"))
+        # a layer with hooks (FSDP2's fully_shard gathers its parameters in them) runs whole
+        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in (self, self.mlp, d))
+        return not hooked and not d.r and not any(p.requires_grad for n, p in d.named_parameters() if not n.endswith("bias"))
 
     def before_down(self, x, rope, unpad=None):
         """The training forward up to ``mlp.down_proj``: the residual stream after attention and
