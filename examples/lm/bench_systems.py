@@ -65,7 +65,7 @@ class Ours:
     greedy ``beam_search`` (beam 1, KV cache, unmerged LoRA)."""
 
     def __init__(self, name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
-                 target_modules: tuple[str, ...] = TARGETS):
+                 target_modules: tuple[str, ...] = TARGETS, device: str = "cpu", precision: str = "fp32"):
         from safetensors.numpy import load_file
 
         import lora_core
@@ -77,6 +77,8 @@ class Ours:
         if base != "full":
             bk.inject_lora(self.model, lora_target_config(target_modules))
             self.model.load_partial(load_file(lora_file))
+        bk.to_device(self.model, device)
+        bk.set_precision(self.model, precision)
         bk.set_grad_checkpoint(self.model, gc)
         self.world = 1
         if trainable and self.zero:  # the order of the trainer's: shard, then the optimizer of the shards
@@ -122,10 +124,12 @@ class Ours:
 
 class HFPeft:
     """``AutoModelForCausalLM.from_pretrained`` (float32, default attention) + ``peft`` LoRA with
-    ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``."""
+    ours' initial values copied in; ``torch.optim.AdamW`` with ours' settings; ``generate``.
+    ``precision`` bf16/fp16: the forward pass under ``torch.autocast``, as ours' ``set_precision``."""
 
     def __init__(self, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
-                 target_modules: tuple[str, ...] = TARGETS, zero_engine: str = "fsdp2"):
+                 target_modules: tuple[str, ...] = TARGETS, zero_engine: str = "fsdp2", device: str = "cpu",
+                 precision: str = "fp32"):
         import warnings
 
         import peft
@@ -137,14 +141,19 @@ class HFPeft:
 
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
         transformers.utils.logging.disable_progress_bar()
-        self.torch = torch
+        from lora_core.train.precision import check_precision
+
+        self.torch, self.device = torch, torch.device(device)
+        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[check_precision(precision)]
         base, self.zero, gc = bench_method(method)
         kw = {}
         if base == "qlora":
             kw = {"quantization_config": transformers.BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.float32), "device_map": "cpu"}
+                bnb_4bit_compute_dtype=torch.float32), "device_map": str(self.device)}
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, **kw)
+        if base != "qlora":
+            model.to(self.device)
         self.attn_implementation = model.config._attn_implementation
         model.generation_config.eos_token_id = None  # run every new token, as ours with stop_ids=()
         gc_kwargs = {"use_reentrant": False}
@@ -195,10 +204,11 @@ class HFPeft:
             if set(names) != set(values):
                 raise RuntimeError(f"peft LoRA names differ from ours: {sorted(set(names) ^ set(values))[:4]}")
             for ours, theirs in names.items():
-                lora[theirs].copy_(torch.from_numpy(values[ours]))
+                lora[theirs].copy_(torch.from_numpy(values[ours]).to(lora[theirs].device))
 
     def prepare(self, rows: np.ndarray):
-        return self.torch.from_numpy(rows[:, :-1].copy()), self.torch.from_numpy(rows[:, 1:].copy())
+        t = self.torch
+        return t.from_numpy(rows[:, :-1].copy()).to(self.device), t.from_numpy(rows[:, 1:].copy()).to(self.device)
 
     def train_step(self, batch) -> float:
         """One update; the loss of this rank's rows (with ZeRO over its share: FSDP2's
@@ -208,8 +218,9 @@ class HFPeft:
         ids, targets = batch
         self.model.train()
         run = self.engine or self.model
-        logits = run(input_ids=ids).logits  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with self.torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            logits = run(input_ids=ids).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         if self.engine is not None:  # DeepSpeed: its backward reduces (averages) the gradients, its step
             self.engine.backward(loss)
             self.engine.step()
@@ -222,8 +233,9 @@ class HFPeft:
     def greedy(self, prompts: np.ndarray, n: int) -> list[list[int]]:
         torch = self.torch
         self.model.eval()
-        ids = torch.from_numpy(prompts)
-        with torch.no_grad():
+        ids = torch.from_numpy(prompts).to(self.device)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                             enabled=self.autocast_dtype is not None):
             seq = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
         return seq[:, ids.shape[1] :].tolist()
@@ -288,15 +300,16 @@ def _our_name(peft_name: str) -> str:
 
 
 def make_system(name: str, ckpt: Path, lora_file: Path, trainable: bool, method: str = "lora",
-                target_modules: tuple[str, ...] = TARGETS, hf_zero_engine: str = "fsdp2"):
+                target_modules: tuple[str, ...] = TARGETS, hf_zero_engine: str = "fsdp2", device: str = "cpu",
+                precision: str = "fp32"):
     """``ours-torch``, ``ours-jittor`` or ``hf-peft``, set up for ``method`` (``METHODS``), LoRA on
     ``target_modules`` (``bench_shapes.targets``); ``hf_zero_engine``: what shards hf-peft's
-    ZeRO rows (``HF_ZERO_ENGINES``)."""
+    ZeRO rows (``HF_ZERO_ENGINES``); on ``device`` (``cpu``, ``cuda``) in ``precision``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if name == "hf-peft":
-        return HFPeft(ckpt, lora_file, trainable, method, target_modules, hf_zero_engine)
-    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method, target_modules)
+        return HFPeft(ckpt, lora_file, trainable, method, target_modules, hf_zero_engine, device, precision)
+    return Ours(name.removeprefix("ours-"), ckpt, lora_file, trainable, method, target_modules, device, precision)
 
 
 def _numel(v) -> int:

@@ -1,0 +1,215 @@
+"""Llama-family fine-tuning methods on a CUDA GPU: ours-torch against transformers + peft (+
+bitsandbytes for QLoRA), tokens/s, peak GPU memory and the planner's prediction, from the same
+weights and LoRA values (``examples.lm.bench``'s checkpoint and LoRA file).
+
+Each row (system x method of ``examples.lm.bench_systems.METHODS`` without ZeRO) runs in this
+process, one after the other: the model is built on the GPU (``--precision bf16``: forward passes
+under ``torch.autocast``, weights, gradients and AdamW moments float32, in both systems), one
+untimed warm-up update, then ``--steps`` timed ones (each ends with the loss read back, so the
+GPU has finished). Memory: ``torch.cuda.max_memory_allocated`` from the row's start (the previous
+row's tensors freed and the allocator's cache emptied first): ``peak_alloc_mb``, its
+``peak_reserved_mb`` (the caching allocator's blocks) and ``device_used_mb`` (the whole device's
+use after the steps, CUDA context included: ``mem_get_info``). ``plan_mb``: ``lora_core.plan``
+for the row with ``--system gpu``, its peak without the framework overhead (what
+``max_memory_allocated`` sees) in ``plan_alloc_mb``. Parity: the first update's loss of each
+system (the same weights and batch: equal up to bf16 rounding) and, ``--check-logits``, the
+float32 logits of ours and transformers' model on one batch (max |diff| / max |ref|).
+
+    python -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 \\
+        --methods full,lora,lora-gc,qlora,qlora-gc --json gpu-llama.json
+
+On a machine without CUDA ``--device cpu`` runs the same rows (the tests do, on a tiny shape)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bench import write_inputs
+from .bench_shapes import SHAPES, shape_config
+from .bench_shapes import targets as targets_of
+from .bench_systems import SEED, make_system, token_rows
+
+METHODS = ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
+SYSTEMS = ("ours-torch", "hf-peft")
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _mb(x: float) -> float:
+    return round(x / 2**20, 1)
+
+
+def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
+    """One row: build, one warm-up update, ``args.steps`` timed ones; figures of the module docstring."""
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated() if cuda else 0
+    n = args.steps + 1
+    rows = token_rows(cfg.vocab_size, (n, args.batch, args.block + 1), SEED + 1)
+    t0 = time.perf_counter()
+    sysm = make_system(system, Path(files["ckpt"]), Path(files["lora_train"]), True, method, targets_of(cfg),
+                       device=args.device, precision=args.precision)  # fmt: skip
+    load_s = time.perf_counter() - t0
+    loaded = _mb(torch.cuda.max_memory_allocated() - start) if cuda else None
+    batches = [sysm.prepare(r) for r in rows]
+    times, losses = [], []
+    for i, batch in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(sysm.train_step(batch))  # the loss read back: the step has finished
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[1:])
+    out = {"system": system, "method": method, "train_tok_s": args.batch * args.block / step_s, "median_step_s": step_s,
+           "step_s": times, "loss": losses, "load_s": load_s, "loaded_alloc_mb": loaded}  # fmt: skip
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        out.update(peak_alloc_mb=_mb(torch.cuda.max_memory_allocated() - start),
+                   peak_reserved_mb=_mb(torch.cuda.max_memory_reserved()), device_used_mb=_mb(total - free))
+    out["parts_mb"] = {k: _mb(v) for k, v in sysm.memory_parts().items()}
+    del sysm, batches
+    return out
+
+
+def add_plan(row: dict, args) -> None:
+    """``plan_mb`` (the planner's peak for the row, system ``gpu``) and ``plan_alloc_mb`` (the
+    same without its framework overhead: what ``max_memory_allocated`` counts)."""
+    from lora_core.models import preset_config
+    from lora_core.plan import PlanConfig, plan
+    from lora_core.plan.memory import BENCH_R, BENCH_TARGETS, bench_method
+
+    cfg = preset_config(args.shape, args.layers, args.vocab)
+    base, _, gc_ = bench_method(row["method"])
+    p = plan(cfg, PlanConfig(method=base, targets=BENCH_TARGETS, r=BENCH_R, precision=args.precision, gc=gc_,
+                             batch=args.batch, seq=args.block, system="gpu"))  # fmt: skip
+    row["plan_mb"], row["plan_alloc_mb"] = round(p.peak, 1), round(p.peak - p.overhead, 1)
+    if row.get("peak_alloc_mb"):
+        row["plan_error"] = round(row["plan_alloc_mb"] / row["peak_alloc_mb"] - 1, 4)
+
+
+def check_logits(cfg, files: dict, args) -> dict:
+    """Float32 logits of ours-torch and transformers' model (the checkpoint, LoRA values loaded
+    with B = 0 as trained from) on one batch, on the device: max |diff| / max |ref|."""
+    import torch
+
+    rows = token_rows(cfg.vocab_size, (2, min(args.block, 128)), SEED + 3)
+    ours = make_system("ours-torch", Path(files["ckpt"]), Path(files["lora_decode"]), False, "lora", targets_of(cfg),
+                       device=args.device)  # fmt: skip
+    hf = make_system("hf-peft", Path(files["ckpt"]), Path(files["lora_decode"]), False, "lora", targets_of(cfg),
+                     device=args.device)  # fmt: skip
+    ids = torch.from_numpy(rows).to(args.device)
+    with torch.no_grad():
+        ours.model.eval()
+        hf.model.eval()
+        a = ours.model(ids)
+        a = (a[0] if isinstance(a, tuple) else a).float()  # (logits, cache)
+        b = hf.model(input_ids=ids).logits.float()
+    err = float((a - b).abs().max() / b.abs().max())
+    del ours, hf
+    return {"logits_rel_err": err, "rows": list(rows.shape)}
+
+
+def env_info(device: str) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device}
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_mb=_mb(p.total_memory), sm=p.multi_processor_count)
+    for mod in ("transformers", "peft", "bitsandbytes"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = None
+    return info
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'system':11s} {'method':9s} {'tok/s':>9s} {'step s':>8s} {'peak MB':>9s} {'plan MB':>9s} "
+             f"{'err':>7s} {'loss[0]':>9s}"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['system']:11s} {r['method']:9s} ERROR {r['error'][:100]}")
+            continue
+        err = f"{100 * r['plan_error']:+.1f}%" if r.get("plan_error") is not None else "-"
+        peak = f"{r['peak_alloc_mb']:.0f}" if r.get("peak_alloc_mb") else "-"
+        lines.append(f"{r['system']:11s} {r['method']:9s} {r['train_tok_s']:9.0f} {r['median_step_s']:8.4f} "
+                     f"{peak:>9s} {r['plan_alloc_mb']:9.0f} {err:>7s} {r['loss'][0]:9.5f}")  # fmt: skip
+    by = {(r["system"], r["method"]): r for r in rows if "error" not in r}
+    for m in sorted({r["method"] for r in rows}):
+        o, h = by.get(("ours-torch", m)), by.get(("hf-peft", m))
+        if o and h:
+            mem = f", peak memory {o['peak_alloc_mb'] / h['peak_alloc_mb']:.3f}x" if o.get("peak_alloc_mb") else ""
+            lines.append(f"ours-torch / hf-peft {m}: tok/s {o['train_tok_s'] / h['train_tok_s']:.3f}x{mem}, "
+                         f"first loss {o['loss'][0]:.6f} vs {h['loss'][0]:.6f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.lm.gpu_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--block", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="timed updates after one warm-up")
+    p.add_argument("--methods", default="full,lora,lora-gc,qlora,qlora-gc")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    methods, systems = args.methods.split(","), args.systems.split(",")
+    bad = [m for m in methods if m not in METHODS] + [s for s in systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown method or system {bad}; methods: {', '.join(METHODS)}; systems: {', '.join(SYSTEMS)}")
+    cfg = shape_config(args.shape, args.layers, args.vocab)
+    result = {"settings": vars(args) | {"json": str(args.json)}, "env": env_info(args.device), "rows": []}
+    with tempfile.TemporaryDirectory(prefix="lm_gpu_bench_") as d:
+        t0 = time.perf_counter()
+        files = write_inputs(cfg, Path(d))
+        log(f"checkpoint of {args.shape} written in {time.perf_counter() - t0:.1f} s")
+        if args.check_logits:
+            result["logits"] = check_logits(cfg, files, args)
+            log(f"logits ours vs transformers: {result['logits']}")
+        for method in methods:
+            for system in systems:
+                log(f"{system} {method}")
+                try:
+                    row = run_row(system, method, cfg, files, args)
+                except Exception as e:  # a row that fails is reported, the others still run
+                    row = {"system": system, "method": method, "error": f"{type(e).__name__}: {e}"}
+                else:
+                    add_plan(row, args)
+                result["rows"].append(row)
+                log(json.dumps({k: v for k, v in row.items() if k not in ("step_s", "loss")}))
+                if args.json:
+                    args.json.write_text(json.dumps(result, indent=1))
+    text = table(result["rows"])
+    print(json.dumps(result["env"]))
+    print(text)
+    result["table"] = text
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 1 if any("error" in r for r in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

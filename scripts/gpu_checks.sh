@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# ../shared/GPU.md's list on a lent GPU machine, in one call, each step under its own time limit:
+#   1. the GPU tests (pytest -m gpu, torch), 2. GPT-2 Medium E2E training + beam, ours-torch vs
+#   HF+peft (fp32/bf16, batch 8/32, eager decode step), 3. Llama methods (full, LoRA, GC, QLoRA
+#   with bitsandbytes' CUDA kernels) vs transformers + peft + bitsandbytes with the planner's
+#   prediction, 4. the jittor self-check (it must refuse CUDA 13 with its message).
+# Raw output in $OUT (default ./gpu-out): gpu.log (every step's output) and one JSON per bench.
+# Needs, in the project root (ignored folders, named in the device tool's carry):
+#   .gpudata/data/{e2e,gpt2-vocab}   copies of ../shared/data's
+#   .gpusite/bnb                     bitsandbytes 0.50.2 unpacked (its cpu and cuda13x libraries)
+#   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
+# Usage there: bash scripts/gpu_checks.sh [STEP ...]   (steps: tests nlg llama jittor; default all)
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+ROOT=$PWD
+export PYTHONUNBUFFERED=1 LORA_TEST_BACKENDS=torch LORA_SHARED=$ROOT/.gpudata
+export PYTHONPATH=$ROOT:$ROOT/.gpusite/bnb
+LOG=$OUT/gpu.log
+DATA=.gpudata/data
+steps=${*:-tests nlg llama jittor}
+
+run() {  # run NAME LIMIT_S CMD...: the command's output into gpu.log, its time and exit status after it
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "===== $name (limit ${limit} s) $(date +%T): $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  echo "===== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+{
+  date
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvcc --version | tail -2
+  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'peft', peft.__version__)"
+  python3 -c "import bitsandbytes as b; print('bitsandbytes', b.__version__)"
+  git rev-parse --short HEAD 2>/dev/null
+} >>"$LOG" 2>&1
+
+for s in $steps; do
+  case $s in
+    tests)
+      run pytest-gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/ ;;
+    nlg)
+      for cfg in "8 fp32" "8 bf16" "32 bf16"; do
+        set -- $cfg
+        run "nlg-b$1-$2" 100 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
+          --systems ours-torch,hf-peft --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 \
+          --batch "$1" --precision "$2" --json "$OUT/nlg-b$1-$2.json"
+      done
+      run nlg-b8-bf16-eager 60 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
+        --systems ours-torch --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 --batch 8 \
+        --precision bf16 --decode-step eager --json "$OUT/nlg-b8-bf16-eager.json" ;;
+    llama)
+      run lm-gpu 170 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
+        --steps 5 --methods full,lora,lora-gc,qlora,qlora-gc --check-logits --json "$OUT/lm-gpu.json" ;;
+    jittor)
+      PYTHONPATH=$PYTHONPATH:$ROOT/.gpusite/jt run jittor-self-check 150 python3 -c "
+import lora_core as lc
+bk = lc.get_backend('jittor')
+import jittor as jt
+print('jittor', jt.__version__, 'has_cuda', jt.has_cuda, 'nvcc_path', repr(jt.flags.nvcc_path))
+from lora_core.models.gpt2 import gpt2_config
+m = bk.GPT2LMModel(gpt2_config('tiny'))
+print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
+" ;;
+    *) echo "unknown step $s (tests nlg llama jittor)" | tee -a "$LOG" ;;
+  esac
+done
+date >>"$LOG"
