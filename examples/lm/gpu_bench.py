@@ -31,8 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from .bench import write_inputs
 from .bench_shapes import SHAPES, shape_config
 from .bench_shapes import targets as targets_of
@@ -69,7 +67,7 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
     loaded = _mb(torch.cuda.max_memory_allocated() - start) if cuda else None
     batches = [sysm.prepare(r) for r in rows]
     times, losses = [], []
-    for i, batch in enumerate(batches):
+    for batch in batches:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
