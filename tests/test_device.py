@@ -3,6 +3,7 @@ in both backends, checkpoints that cross devices, activation checkpointing exact
 plain step (framework dropout and numpy parity masks). GPU tests are marked ``gpu``."""
 
 import dataclasses
+import gc
 import os
 import shutil
 import subprocess
@@ -264,8 +265,10 @@ def test_cuda_training_matches_cpu_and_checkpoints_cross(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_cuda(), reason="no CUDA GPU")
 def test_cuda_second_run_in_a_process_logs_its_own_peak(tmp_path):
-    """A run with a large batch, then one with a small batch in the same process: the second
-    logs its own, smaller peak GPU memory (before issue 25 it logged the first run's)."""
+    """A small run, a large one, the small one again, in one process: the last logs its own peak
+    GPU memory, the first small run's (before issue 25 it logged the large run's). Not a ratio to
+    the large run's: the tiny model's weights and cuBLAS's workspace dominate a small run's peak
+    (measured on an H200, 2026-11-26: 66.2 MB small after large, 189.2 MB large)."""
     bt = lc.get_backend("torch")
     cfg = lc.gpt2_config("tiny", n_positions=512)
 
@@ -277,10 +280,12 @@ def test_cuda_second_run_in_a_process_logs_its_own_peak(tmp_path):
         pairs = [(c * (length // len(c) + 1))[:length] for c, _ in _pairs(2 * batch_size, V=cfg.vocab_size)]
         train(bt, model, [(c, c[:8]) for c in pairs], None, tc, out, progress=False)
         del model
+        gc.collect()  # nothing of this run still allocated when the next starts
         return max(x["peak_gpu_mb"] for x in read_log(out / "log.jsonl") if x["kind"] == "train")
 
+    first = run(tmp_path / "small-first", 2, 16)
     big, small = run(tmp_path / "big", 32, 480), run(tmp_path / "small", 2, 16)
-    assert 0 < small < big / 4, (small, big)
+    assert 0 < small < big and abs(small - first) <= 0.02 * first + 1.0, (first, big, small)
 
 
 @pytest.mark.gpu

@@ -135,3 +135,28 @@ def test_lm_bench_zero_rows_match_one_process(tmp_path):
     rows = {(r["method"], r["system"]): r for r in zero["summary"]["methods"]}
     assert rows[("full-z3", "ours-jittor")]["tok_s"] is None
     assert all(r["predicted_mb"] > 0 for k, r in rows.items() if k != ("full-z3", "ours-jittor")), rows
+
+
+def test_gpu_bench_rows_on_the_cpu(tmp_path):
+    """``examples.lm.gpu_bench`` (run on a GPU with ``--device cuda``) on the CPU: every row of
+    both systems trains from the same weights (first losses equal), ours' and transformers'
+    float32 logits agree, the planner's column is filled; a bad method is refused by name."""
+    from examples.lm import gpu_bench
+
+    out = tmp_path / "gpu.json"
+    rc = gpu_bench.main(["--shape", "tiny-llama", "--batch", "2", "--block", "16", "--steps", "1", "--device", "cpu",
+                         "--precision", "fp32", "--methods", "full,lora-gc,qlora", "--check-logits", "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert rc == 0, result["table"]
+    assert result["logits"]["logits_rel_err"] < 1e-5, result["logits"]
+    rows = {(r["system"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(s, m) for s in ("ours-torch", "hf-peft") for m in ("full", "lora-gc", "qlora")}
+    for (system, method), r in rows.items():
+        assert r["train_tok_s"] > 0 and len(r["loss"]) == 2 and r["plan_mb"] > r["plan_alloc_mb"] > 0, (system, method, r)
+        assert r["parts_mb"]["weights"] > 0
+    for method in ("full", "lora-gc", "qlora"):
+        ours, hf = rows[("ours-torch", method)]["loss"][0], rows[("hf-peft", method)]["loss"][0]
+        assert abs(ours - hf) <= 1e-5 * abs(hf), (method, ours, hf)
+    assert "ours-torch / hf-peft qlora: tok/s" in result["table"]
+    with pytest.raises(SystemExit):
+        gpu_bench.main(["--methods", "lora-z2", "--device", "cpu"])

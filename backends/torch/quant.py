@@ -21,6 +21,19 @@ from .lora import LoRALinear, LoRAMergedLinear
 
 _NF4 = torch.from_numpy(NF4_CODE)
 _DYN = torch.from_numpy(dynamic_map())
+_ON_DEVICE: dict = {}  # (table, device) -> the table there: copied once, not per product
+
+
+def _table(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``_NF4`` or ``_DYN`` on ``device``, copied there once per process: a copy from the host
+    per product would also wait for the GPU (a blocking host-to-device copy synchronizes its
+    stream), seven times per layer and pass in QLoRA."""
+    if device.type == "cpu":
+        return t
+    key = (id(t), str(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = t.to(device)
+    return _ON_DEVICE[key]
 
 
 def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blocksize: int = 256) -> torch.Tensor:
@@ -28,11 +41,11 @@ def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blo
     n = int(np.prod(shape))
     codes = torch.stack([packed.view(-1) >> 4, packed.view(-1) & 15], dim=1).view(-1)[:n].long()
     if nested is not None:
-        scale = _DYN.to(absmax.device)[absmax.long()] * nested.repeat_interleave(nested_blocksize)[:absmax.numel()]
+        scale = _table(_DYN, absmax.device)[absmax.long()] * nested.repeat_interleave(nested_blocksize)[:absmax.numel()]
         scale = scale + offset
     else:
         scale = absmax
-    return (_NF4.to(packed.device)[codes] * scale.repeat_interleave(blocksize)[:n]).view(shape)
+    return (_table(_NF4, packed.device)[codes] * scale.repeat_interleave(blocksize)[:n]).view(shape)
 
 
 _BNB = []  # bitsandbytes.functional once imported, or None where it is not installed
@@ -59,9 +72,9 @@ def _bnb_dequantize(layer) -> torch.Tensor | None:
     dev = layer.packed.device
     nested = None
     if layer.nested_absmax is not None:
-        nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_DYN.to(dev), blocksize=layer.nested_blocksize,
+        nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_table(_DYN, dev), blocksize=layer.nested_blocksize,
                                   dtype=torch.float32)
-    qs = bnb_f.QuantState(absmax=layer.absmax, shape=torch.Size(layer.shape), code=_NF4.to(dev),
+    qs = bnb_f.QuantState(absmax=layer.absmax, shape=torch.Size(layer.shape), code=_table(_NF4, dev),
                           blocksize=layer.blocksize, quant_type="nf4", dtype=torch.float32, offset=layer.offset,
                           state2=nested)
     return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs)
