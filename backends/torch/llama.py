@@ -122,10 +122,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = LoRALinear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x):
+        return self.down_proj(self.swiglu(x))
+
+    def swiglu(self, x):
+        """``silu(gate_proj(x)) * up_proj(x)``, the input of ``down_proj`` (in training through
+        ``SwiGLU``, which keeps less for the backward pass)."""
         gate, up = self.gate_proj(x), self.up_proj(x)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.down_proj(SwiGLU.apply(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+            return SwiGLU.apply(gate, up)
+        return F.silu(gate) * up
 
 
 class SwiGLU(torch.autograd.Function):
@@ -175,9 +180,7 @@ class LlamaDecoderLayer(nn.Module):
         SwiGLU's output; ``forward``'s output is ``x + mlp.down_proj(h)`` of these, the same ops."""
         a, _ = self.self_attn(self.input_layernorm(x), rope, None, None, unpad)
         x = x + a
-        m, y = self.mlp, self.post_attention_layernorm(x)
-        gate, up = m.gate_proj(y), m.up_proj(y)
-        return x, SwiGLU.apply(gate, up) if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) else F.silu(gate) * up
+        return x, self.mlp.swiglu(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):

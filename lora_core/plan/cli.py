@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import sys
 
+from ..train.heap import TRIM_MODES
 from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConfig, fmt_plan, plan, resolve_model
 
 
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
                    help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline")
-    p.add_argument("--heap-trim", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--heap-trim", default="auto", choices=TRIM_MODES,
                    help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
                         "auto: with --gc or a 4-bit base)")
     return p

@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..train.heap import HEAD_FUSED_MIN_BYTES, trims
+from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, run_trims
 
 MB = 2**20
 METHODS = ("full", "lora", "qlora")
@@ -222,8 +222,8 @@ class PlanConfig:
             )
         if self.system not in SYSTEMS:
             raise ValueError(f"system {self.system!r} is not one of {tuple(SYSTEMS)}")
-        if self.heap_trim not in ("auto", "on", "off"):
-            raise ValueError(f"heap_trim {self.heap_trim!r} is not one of ('auto', 'on', 'off')")
+        if self.heap_trim not in TRIM_MODES:
+            raise ValueError(f"heap_trim {self.heap_trim!r} is not one of {TRIM_MODES}")
         for name in ("r", "batch", "seq"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "r" else 1):
@@ -429,7 +429,7 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     a = arch_of(cfg)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     quantized_base = c.method == "qlora"
-    if sysm.untrimmed and not (a.kind in sysm.trim_kinds and trims(c.heap_trim, c.gc, quantized_base)):
+    if sysm.untrimmed and not run_trims(a.kind, sysm.trim_kinds, c.heap_trim, c.gc, quantized_base):
         sysm = dataclasses.replace(sysm, **sysm.untrimmed)
     if sysm.zero_engine not in ZERO_ENGINES:
         raise ValueError(f"System.zero_engine must be one of {ZERO_ENGINES}, got {sysm.zero_engine!r}")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models import gpt2
-from ..train.heap import trims
+from ..train.heap import run_trims
 from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap"),
@@ -130,7 +130,7 @@ def bench_rows(paths) -> list[dict]:
 def trimmed(row: dict) -> bool:
     """Whether the row's run trimmed the heap at each layer (``lora_core.train.heap``)."""
     base, _, gc = bench_method(row["method"])
-    return row["family"] in SYSTEMS[row["system"]].trim_kinds and trims(row.get("heap_trim", "auto"), gc, base == "qlora")
+    return run_trims(row["family"], SYSTEMS[row["system"]].trim_kinds, row.get("heap_trim", "auto"), gc, base == "qlora")
 
 
 def predict(row: dict, sysm: System | None = None) -> float:

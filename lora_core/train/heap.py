@@ -47,7 +47,8 @@ def _libc():
     return _LIBC[0]
 
 
-MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+TRIM_MODES = ("auto", "on", "off")  # the modes (the planner's ``heap_trim``, ``lora-plan --heap-trim``)
+MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}  # LORA_MALLOC_TRIM's values
 
 
 def mode() -> str:
@@ -62,9 +63,15 @@ def mode() -> str:
 def trims(mode_: str, grad_checkpoint: bool, quantized: bool) -> bool:
     """The rule: ``on`` always, ``off`` never, ``auto`` with activation checkpointing or a
     4-bit base, the methods chosen for their memory (the planner applies it too)."""
-    if mode_ not in ("auto", "on", "off"):
-        raise ValueError(f"heap trim mode {mode_!r}: expected auto, on or off")
+    if mode_ not in TRIM_MODES:
+        raise ValueError(f"heap trim mode {mode_!r}: expected one of {TRIM_MODES}")
     return mode_ == "on" or (mode_ == "auto" and (grad_checkpoint or quantized))
+
+
+def run_trims(kind: str, trim_kinds, mode_: str, grad_checkpoint: bool, quantized: bool) -> bool:
+    """Whether a run of a ``kind`` model (llama, gpt2) trims at each layer: its system trims
+    that kind (``trim_kinds``) and :func:`trims` says so for the run's mode and method."""
+    return kind in trim_kinds and trims(mode_, grad_checkpoint, quantized)
 
 
 def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
