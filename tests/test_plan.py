@@ -42,8 +42,10 @@ def test_lora_trainable_and_frozen_bytes():
     assert p.weights * MB == 4 * lora and p.mapped * MB == 4 * frozen
     j = plan(cfg, PlanConfig(**c, system="ours-jittor"))  # jittor copies them
     assert j.weights * MB == 4 * (frozen + lora) and j.mapped == 0
-    b = plan(cfg, PlanConfig(**c, precision="bf16"))  # a bf16 copy is the process's own
+    b = plan(cfg, PlanConfig(**c, precision="bf16", system="gpu"))  # a bf16 copy is the process's own
     assert b.weights * MB == 2 * frozen + 4 * lora and b.mapped == 0
+    a = plan(cfg, PlanConfig(**c, precision="bf16"))  # ours-torch's bf16 is autocast: the fp32 pages stay mapped
+    assert a.weights == p.weights and a.mapped == p.mapped
     f = plan(cfg, PlanConfig(method="full", batch=1, seq=8))  # the optimizer writes every page
     assert f.weights * MB == 4 * frozen and f.mapped == 0
     g = dict(method="lora", targets=("c_attn",), r=4, batch=1, seq=8)  # ours' GPT-2 loader copies (transposed)
@@ -354,3 +356,47 @@ def test_zero_rows_within_ten_percent(path):
 
 def test_zero_bench_jsons_committed():
     assert ZERO_JSONS, "docs/bench/lm_zero_<shape>_<hash>.json: the ZeRO rows of the methods bench"
+
+
+def test_autocast_systems_keep_fp32_state_and_bf16_activations():
+    """bf16 for an autocast system (ours-torch, the benches' hf-peft, their CUDA twins) keeps
+    float32 weights, gradients and AdamW moments (16 bytes per full-FT parameter, no bf16 copy)
+    and counts the activations in bf16; the generic ``gpu`` system holds bf16 weights."""
+    cfg = llama_config("tiny-llama")
+    for system in ("ours-torch", "ours-torch-cuda", "hf-peft-cuda"):
+        p32 = plan(cfg, PlanConfig(method="full", system=system))
+        p16 = plan(cfg, PlanConfig(method="full", precision="bf16", system=system))
+        assert (p16.weights, p16.gradients, p16.optimizer) == (p32.weights, p32.gradients, p32.optimizer), system
+        lora32 = plan(cfg, PlanConfig(method="lora", system=system, batch=4, seq=64))
+        lora16 = plan(cfg, PlanConfig(method="lora", system=system, batch=4, seq=64, precision="bf16"))
+        assert lora16.per_layer_nogc == pytest.approx(lora32.per_layer_nogc / 2), system
+    g32, g16 = (plan(cfg, PlanConfig(method="lora", system="gpu", precision=p)) for p in ("fp32", "bf16"))
+    assert g16.weights < g32.weights
+
+
+GPU_JSONS = sorted((ROOT / "docs" / "bench" / "gpu").glob("h200_lm_*.json"))
+
+
+@pytest.mark.parametrize("path", GPU_JSONS, ids=lambda p: p.name)
+def test_cuda_systems_within_ten_percent_of_the_gpu_run(path):
+    """The planner's CUDA systems against ``torch.cuda.max_memory_allocated`` of the committed
+    GPU run (``examples.lm.gpu_bench``; the rows they were fitted on: a regression check of the
+    fit, not a validation on another shape), and the run's recorded error matches a fresh plan."""
+    from lora_core.models import preset_config
+    from lora_core.plan.memory import BENCH_R, BENCH_TARGETS, bench_method
+
+    result = json.loads(path.read_text())
+    s = result["settings"]
+    cfg = preset_config(s["shape"], s["layers"], s["vocab"])
+    assert len(result["rows"]) == 10
+    for r in result["rows"]:
+        base, _, gc = bench_method(r["method"])
+        p = plan(cfg, PlanConfig(method=base, targets=BENCH_TARGETS, r=BENCH_R, precision=s["precision"], gc=gc,
+                                 batch=s["batch"], seq=s["block"], system=r["system"] + "-cuda"))  # fmt: skip
+        err = (p.peak - p.overhead) / r["peak_alloc_mb"] - 1
+        assert abs(err) <= 0.10, (r["system"], r["method"], err)
+        assert p.overhead == pytest.approx(r["device_used_mb"] - r["peak_reserved_mb"], abs=5.0), r  # the context
+
+
+def test_gpu_run_committed():
+    assert GPU_JSONS, "docs/bench/gpu/h200_lm_<shape>_<hash>.json: the GPU methods run"

@@ -10,8 +10,9 @@ GPU has finished). Memory: ``torch.cuda.max_memory_allocated`` from the row's st
 row's tensors freed and the allocator's cache emptied first): ``peak_alloc_mb``, its
 ``peak_reserved_mb`` (the caching allocator's blocks) and ``device_used_mb`` (the whole device's
 use after the steps, CUDA context included: ``mem_get_info``). ``plan_mb``: ``lora_core.plan``
-for the row with ``--system gpu``, its peak without the framework overhead (what
-``max_memory_allocated`` sees) in ``plan_alloc_mb``. Parity: the first update's loss of each
+for the row (system ``ours-torch-cuda`` or ``hf-peft-cuda``; on the CPU ``ours-torch`` or
+``hf-peft``), its peak without the framework overhead (what ``max_memory_allocated`` sees) in
+``plan_alloc_mb``, and ``plan_error`` against ``peak_alloc_mb``. Parity: the first update's loss of each
 system (the same weights and batch: equal up to bf16 rounding) and, ``--check-logits``, the
 float32 logits of ours and transformers' model on one batch (max |diff| / max |ref|).
 
@@ -86,8 +87,8 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
 
 
 def add_plan(row: dict, args) -> None:
-    """``plan_mb`` (the planner's peak for the row, system ``gpu``) and ``plan_alloc_mb`` (the
-    same without its framework overhead: what ``max_memory_allocated`` counts)."""
+    """``plan_mb`` (the planner's peak for the row: its system's ``-cuda`` twin on a GPU) and
+    ``plan_alloc_mb`` (the same without its framework overhead: what ``max_memory_allocated`` counts)."""
     from lora_core.models import preset_config
     from lora_core.plan import PlanConfig, plan
     from lora_core.plan.memory import BENCH_R, BENCH_TARGETS, bench_method
@@ -95,7 +96,8 @@ def add_plan(row: dict, args) -> None:
     cfg = preset_config(args.shape, args.layers, args.vocab)
     base, _, gc_ = bench_method(row["method"])
     p = plan(cfg, PlanConfig(method=base, targets=BENCH_TARGETS, r=BENCH_R, precision=args.precision, gc=gc_,
-                             batch=args.batch, seq=args.block, system="gpu"))  # fmt: skip
+                             batch=args.batch, seq=args.block,
+                             system=row["system"] + ("-cuda" if args.device.startswith("cuda") else "")))  # fmt: skip
     row["plan_mb"], row["plan_alloc_mb"] = round(p.peak, 1), round(p.peak - p.overhead, 1)
     if row.get("peak_alloc_mb"):
         row["plan_error"] = round(row["plan_alloc_mb"] / row["peak_alloc_mb"] - 1, 4)

@@ -136,6 +136,10 @@ class System:
     trim_kinds: tuple[str, ...] = ()
     untrimmed: dict = field(default_factory=dict)
     family: dict = field(default_factory=dict)  # per model kind: the fields above that differ (``for_kind``)
+    # bf16 as torch.autocast: weights, gradients and AdamW moments stay float32, the activations
+    # bf16 (ours-torch's set_precision, the benches' hf-peft); False: weights held in bf16 (a
+    # model loaded in bf16, full FT with fp32 master weights in the optimizer)
+    autocast: bool = False
     note: str = ""
 
     def for_kind(self, kind: str) -> System:
@@ -155,7 +159,7 @@ SYSTEMS: dict[str, System] = {
                          act_scale=0.675, heap=0.821, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
                          trim_kinds=("llama",),
                          untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
-                         note="PyTorch CPU, backends.torch"),
+                         autocast=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
@@ -163,7 +167,20 @@ SYSTEMS: dict[str, System] = {
     "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.79, heap=0.227,
                       heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,
                       gelu_saved=4, gelu_allocs=8,
-                      note="transformers + peft, PyTorch CPU"),
+                      autocast=True, note="transformers + peft, PyTorch CPU"),
+    # CUDA (one H200, f03e958: docs/bench/gpu/h200_lm_llama-3.2-1b-L4_f03e958.json, bf16 autocast):
+    # the peak without the overhead is compared with torch.cuda.max_memory_allocated, the overhead
+    # is the CUDA context and libraries (device use minus the allocator's reserve: 767 MB on both);
+    # the caching allocator keeps freed blocks, but they are not allocated: no heap terms. Fitted
+    # (act_scale, head counts, emb_copies, full_heap) on that run's five rows per system, one
+    # shape (Llama-3.2-1B widths, 4 layers, batch 4 x 512): max error 6.0% (ours), 4.3% (HF);
+    # act_scale ~2 x the bf16 count: under autocast the norms and the residual stream stay fp32
+    "ours-torch-cuda": System("ours-torch-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
+                              act_scale=1.95, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5,
+                              note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on one H200 run, one shape"),
+    "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
+                           act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
+                           note="transformers + peft (+ bitsandbytes) on CUDA, bf16 autocast; fitted on one H200 run, one shape"),
     "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None, zero_engine="deepspeed",
                   note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
                        "activations, full FT's activations alive with its gradients"),
@@ -192,7 +209,8 @@ class Arch:
 class PlanConfig:
     """One run to plan. ``targets``: the adapted projections (LoRA, QLoRA); ``precision``:
     ``fp32`` or ``bf16`` (frozen weights and activations in bf16; full FT in mixed precision
-    with fp32 master weights; LoRA's adapters and their moments in fp32, as peft keeps them)."""
+    with fp32 master weights; LoRA's adapters and their moments in fp32, as peft keeps them;
+    a ``System.autocast`` system: the activations only, every weight stays fp32)."""
 
     method: str = "lora"
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -349,7 +367,7 @@ def _below(nbytes: float, ceiling_mb: float | None) -> bool:
 
 def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, quantized: int):
     """Weights (the process's own bytes, and the mapped file pages), gradients, optimizer state."""
-    bf16 = c.precision == "bf16"
+    bf16 = c.precision == "bf16" and not sysm.autocast  # weights held in bf16
     wb = 2 if bf16 else 4  # bytes of a weight as held (frozen; full FT's working copy)
     frozen = total - trainable
     mapped = 0.0
@@ -406,7 +424,7 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     counted = N * (saved * ab + head + transient)
     proj = [i * o for i, o in a.proj.values()]
     if c.method == "full":  # the embedding's backward, once the activations are freed
-        live = sysm.emb_copies * a.vocab * a.hidden * (2 if c.precision == "bf16" else 4)
+        live = sysm.emb_copies * a.vocab * a.hidden * (2 if c.precision == "bf16" and not sysm.autocast else 4)
     else:
         quant_tmp = max(proj) * 4 if quantized and sysm.deq_buffer_mb is None else 0  # one dequantized weight
         live = sysm.act_scale * (counted + quant_tmp) + (sysm.deq_buffer_mb or 0) * MB * bool(quantized)
