@@ -9,7 +9,11 @@
 #   .gpudata/data/{e2e,gpt2-vocab}   copies of ../shared/data's
 #   .gpusite/bnb                     bitsandbytes 0.50.2 unpacked (its cpu and cuda13x libraries)
 #   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
-# Usage there: bash scripts/gpu_checks.sh [STEP ...]   (steps: tests nlg llama jittor; default all)
+# Usage there: bash scripts/gpu_checks.sh [STEP ...]   (default: tests nlg llama jittor, ~9 min)
+# Steps for the questions the first run left (docs/gpu.md), ~6 min together:
+#   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
+#            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
+#   sdpa     GPT-2 Medium bf16 batch 8 with PyTorch's cuDNN attention off (scripts/gpu_site)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -56,6 +60,15 @@ for s in $steps; do
     llama)
       run lm-gpu 170 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
         --steps 5 --methods full,lora,lora-gc,qlora,qlora-gc --check-logits --json "$OUT/lm-gpu.json" ;;
+    llama16)
+      run lm-gpu-16 240 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 --steps 5 \
+        --methods full,lora,lora-gc,qlora,qlora-gc --profile "$OUT/prof" --json "$OUT/lm-gpu-16.json"
+      tar czf "$OUT/profiles.tgz" -C "$OUT" prof && rm -rf "$OUT/prof" ;;
+    sdpa)
+      LORA_GPU_CUDNN_SDP=0 PYTHONPATH=$PYTHONPATH:$ROOT/scripts/gpu_site run nlg-b8-bf16-nocudnn 120 \
+        python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
+        --systems ours-torch,hf-peft --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 \
+        --batch 8 --precision bf16 --json "$OUT/nlg-b8-bf16-nocudnn.json" ;;
     jittor)
       PYTHONPATH=$PYTHONPATH:$ROOT/.gpusite/jt run jittor-self-check 150 python3 -c "
 import lora_core as lc
@@ -66,7 +79,7 @@ from lora_core.models.gpt2 import gpt2_config
 m = bk.GPT2LMModel(gpt2_config('tiny'))
 print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
 " ;;
-    *) echo "unknown step $s (tests nlg llama jittor)" | tee -a "$LOG" ;;
+    *) echo "unknown step $s (tests nlg llama jittor llama16 sdpa)" | tee -a "$LOG" ;;
   esac
 done
 date >>"$LOG"

@@ -74,6 +74,15 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
         t0 = time.perf_counter()
         losses.append(sysm.train_step(batch))  # the loss read back: the step has finished
         times.append(time.perf_counter() - t0)
+    if args.profile:  # one more update under torch.profiler: where a row's time goes, per op
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            sysm.train_step(batches[-1])
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        args.profile.mkdir(parents=True, exist_ok=True)
+        (args.profile / f"{system}_{method}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
     step_s = statistics.median(times[1:])
     out = {"system": system, "method": method, "train_tok_s": args.batch * args.block / step_s, "median_step_s": step_s,
            "step_s": times, "loss": losses, "load_s": load_s, "loaded_alloc_mb": loaded}  # fmt: skip
@@ -174,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="also profile one more update of each row (torch.profiler): DIR/SYSTEM_METHOD.txt, by op")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     methods, systems = args.methods.split(","), args.systems.split(",")
