@@ -14,6 +14,8 @@
 #   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
 #            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
 #   sdpa     GPT-2 Medium bf16 batch 8 with PyTorch's cuDNN attention off (scripts/gpu_site)
+#   compile  GPT-2 Medium fp32 batch 8, ours-torch's step through torch.compile (cudagraphs, then
+#            inductor): the launch-bound step is where the 2x target is (~4 min)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -69,6 +71,12 @@ for s in $steps; do
         python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
         --systems ours-torch,hf-peft --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 \
         --batch 8 --precision bf16 --json "$OUT/nlg-b8-bf16-nocudnn.json" ;;
+    compile)
+      for be in cudagraphs inductor; do
+        run "nlg-b8-fp32-$be" 150 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
+          --systems ours-torch --repeats 1 --steps 10 --warmup 3 --beam-examples 4 --threads 4 --batch 8 \
+          --precision fp32 --compile "$be" --json "$OUT/nlg-b8-fp32-$be.json"
+      done ;;
     jittor)
       PYTHONPATH=$PYTHONPATH:$ROOT/.gpusite/jt run jittor-self-check 150 python3 -c "
 import lora_core as lc
@@ -79,7 +87,7 @@ from lora_core.models.gpt2 import gpt2_config
 m = bk.GPT2LMModel(gpt2_config('tiny'))
 print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
 " ;;
-    *) echo "unknown step $s (tests nlg llama jittor llama16 sdpa)" | tee -a "$LOG" ;;
+    *) echo "unknown step $s (tests nlg llama jittor llama16 sdpa compile)" | tee -a "$LOG" ;;
   esac
 done
 date >>"$LOG"
