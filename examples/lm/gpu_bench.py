@@ -12,9 +12,10 @@ row's tensors freed and the allocator's cache emptied first): ``peak_alloc_mb``,
 use after the steps, CUDA context included: ``mem_get_info``). ``plan_mb``: ``lora_core.plan``
 for the row (system ``ours-torch-cuda`` or ``hf-peft-cuda``; on the CPU ``ours-torch`` or
 ``hf-peft``), its peak without the framework overhead (what ``max_memory_allocated`` sees) in
-``plan_alloc_mb``, and ``plan_error`` against ``peak_alloc_mb``. Parity: the first update's loss of each
-system (the same weights and batch: equal up to bf16 rounding) and, ``--check-logits``, the
-float32 logits of ours and transformers' model on one batch (max |diff| / max |ref|).
+``plan_alloc_mb``, and ``plan_error`` against ``peak_alloc_mb``. Parity: the first update's loss
+of each system (the same weights and batch: equal up to bf16 rounding) and, ``--check-logits``,
+the float32 logits of ours and transformers' model on one batch, LoRA and QLoRA (max |diff| /
+max |ref|).
 
     python -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 \\
         --methods full,lora,lora-gc,qlora,qlora-gc --json gpu-llama.json
@@ -113,25 +114,27 @@ def add_plan(row: dict, args) -> None:
 
 
 def check_logits(cfg, files: dict, args) -> dict:
-    """Float32 logits of ours-torch and transformers' model (the checkpoint, LoRA values loaded
-    with B = 0 as trained from) on one batch, on the device: max |diff| / max |ref|."""
+    """Float32 logits of ours-torch and transformers' model on one batch, on the device, max
+    |diff| / max |ref|: LoRA (``logits_rel_err``) and QLoRA (``qlora_logits_rel_err``: ours'
+    NF4 base against bitsandbytes' ``Linear4bit``, each quantizing the same checkpoint), both
+    with the decode LoRA file (``lora_B`` drawn nonzero, so the adapters count)."""
     import torch
 
     rows = token_rows(cfg.vocab_size, (2, min(args.block, 128)), SEED + 3)
-    ours = make_system("ours-torch", Path(files["ckpt"]), Path(files["lora_decode"]), False, "lora", targets_of(cfg),
-                       device=args.device)  # fmt: skip
-    hf = make_system("hf-peft", Path(files["ckpt"]), Path(files["lora_decode"]), False, "lora", targets_of(cfg),
-                     device=args.device)  # fmt: skip
     ids = torch.from_numpy(rows).to(args.device)
-    with torch.no_grad():
-        ours.model.eval()
-        hf.model.eval()
-        a = ours.model(ids)
-        a = (a[0] if isinstance(a, tuple) else a).float()  # (logits, cache)
-        b = hf.model(input_ids=ids).logits.float()
-    err = float((a - b).abs().max() / b.abs().max())
-    del ours, hf
-    return {"logits_rel_err": err, "rows": list(rows.shape)}
+    out = {"rows": list(rows.shape)}
+    for method, key in (("lora", "logits_rel_err"), ("qlora", "qlora_logits_rel_err")):
+        ours, hf = (make_system(name, Path(files["ckpt"]), Path(files["lora_decode"]), False, method, targets_of(cfg),
+                                device=args.device) for name in ("ours-torch", "hf-peft"))  # fmt: skip
+        with torch.no_grad():
+            ours.model.eval()
+            hf.model.eval()
+            a = ours.model(ids)
+            a = (a[0] if isinstance(a, tuple) else a).float()  # (logits, cache)
+            b = hf.model(input_ids=ids).logits.float()
+        out[key] = float((a - b).abs().max() / b.abs().max())
+        del ours, hf
+    return out
 
 
 def env_info(device: str) -> dict:
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
-    p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits")
+    p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits (LoRA, QLoRA)")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="also profile one more update of each row (torch.profiler): DIR/SYSTEM_METHOD.txt, by op")
     p.add_argument("--json", type=Path, default=None)
