@@ -382,17 +382,12 @@ def test_cuda_systems_within_ten_percent_of_the_gpu_run(path):
     """The planner's CUDA systems against ``torch.cuda.max_memory_allocated`` of the committed
     GPU run (``examples.lm.gpu_bench``; the rows they were fitted on: a regression check of the
     fit, not a validation on another shape), and the run's recorded error matches a fresh plan."""
-    from lora_core.models import preset_config
-    from lora_core.plan.memory import BENCH_R, BENCH_TARGETS, bench_method
-
     result = json.loads(path.read_text())
     s = result["settings"]
-    cfg = preset_config(s["shape"], s["layers"], s["vocab"])
     assert len(result["rows"]) == 10
     for r in result["rows"]:
-        base, _, gc = bench_method(r["method"])
-        p = plan(cfg, PlanConfig(method=base, targets=BENCH_TARGETS, r=BENCH_R, precision=s["precision"], gc=gc,
-                                 batch=s["batch"], seq=s["block"], system=r["system"] + "-cuda"))  # fmt: skip
+        p = bench_plan(s["shape"], s["layers"], s["batch"], s["block"], r["system"] + "-cuda", r["method"], s["vocab"],
+                       precision=s["precision"])  # fmt: skip
         err = (p.peak - p.overhead) / r["peak_alloc_mb"] - 1
         assert abs(err) <= 0.10, (r["system"], r["method"], err)
         assert p.overhead == pytest.approx(r["device_used_mb"] - r["peak_reserved_mb"], abs=5.0), r  # the context

@@ -141,10 +141,11 @@ class HFPeft:
 
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes
         transformers.utils.logging.disable_progress_bar()
+        from backends.torch.precision import DTYPES
         from lora_core.train.precision import check_precision
 
         self.torch, self.device = torch, torch.device(device)
-        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[check_precision(precision)]
+        self.autocast_dtype = DTYPES.get(check_precision(precision))  # None: fp32
         base, self.zero, gc = bench_method(method)
         kw = {}
         if base == "qlora":
@@ -206,6 +207,10 @@ class HFPeft:
             for ours, theirs in names.items():
                 lora[theirs].copy_(torch.from_numpy(values[ours]).to(lora[theirs].device))
 
+    def _autocast(self):
+        """The forward pass's autocast (ours' ``set_precision``); off for fp32."""
+        return self.torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
     def prepare(self, rows: np.ndarray):
         t = self.torch
         return t.from_numpy(rows[:, :-1].copy()).to(self.device), t.from_numpy(rows[:, 1:].copy()).to(self.device)
@@ -218,7 +223,7 @@ class HFPeft:
         ids, targets = batch
         self.model.train()
         run = self.engine or self.model
-        with self.torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with self._autocast():
             logits = run(input_ids=ids).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         if self.engine is not None:  # DeepSpeed: its backward reduces (averages) the gradients, its step
@@ -234,8 +239,7 @@ class HFPeft:
         torch = self.torch
         self.model.eval()
         ids = torch.from_numpy(prompts).to(self.device)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                             enabled=self.autocast_dtype is not None):
+        with torch.no_grad(), self._autocast():
             seq = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
         return seq[:, ids.shape[1] :].tolist()

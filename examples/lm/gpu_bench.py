@@ -99,15 +99,11 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
 def add_plan(row: dict, args) -> None:
     """``plan_mb`` (the planner's peak for the row: its system's ``-cuda`` twin on a GPU) and
     ``plan_alloc_mb`` (the same without its framework overhead: what ``max_memory_allocated`` counts)."""
-    from lora_core.models import preset_config
-    from lora_core.plan import PlanConfig, plan
-    from lora_core.plan.memory import BENCH_R, BENCH_TARGETS, bench_method
+    from lora_core.plan import bench_plan
 
-    cfg = preset_config(args.shape, args.layers, args.vocab)
-    base, _, gc_ = bench_method(row["method"])
-    p = plan(cfg, PlanConfig(method=base, targets=BENCH_TARGETS, r=BENCH_R, precision=args.precision, gc=gc_,
-                             batch=args.batch, seq=args.block,
-                             system=row["system"] + ("-cuda" if args.device.startswith("cuda") else "")))  # fmt: skip
+    system = row["system"] + ("-cuda" if args.device.startswith("cuda") else "")
+    p = bench_plan(args.shape, args.layers, args.batch, args.block, system, row["method"], args.vocab,
+                   precision=args.precision)  # fmt: skip
     row["plan_mb"], row["plan_alloc_mb"] = round(p.peak, 1), round(p.peak - p.overhead, 1)
     if row.get("peak_alloc_mb"):
         row["plan_error"] = round(row["plan_alloc_mb"] / row["peak_alloc_mb"] - 1, 4)

@@ -570,13 +570,15 @@ def bench_plan(
     ranks: int = 2,
     zero_engine: str | None = None,
     heap_trim: str = "auto",
+    precision: str = "fp32",
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
     ``vocab``: the bench's overrides of the preset (None: the preset's); ``sysm``: a ``System``
     in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
     ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed);
-    ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``)."""
+    ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``); ``precision``:
+    the run's (``examples.lm.gpu_bench --precision``)."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
@@ -584,7 +586,7 @@ def bench_plan(
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
-                   ranks=ranks if zero else 1, heap_trim=heap_trim)  # fmt: skip
+                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision)  # fmt: skip
     if zero_engine:
         sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
     return plan(cfg, c, sysm)
