@@ -137,6 +137,28 @@ def test_a_driver_without_a_toolkit_sets_jittor_up_for_the_cpu(tmp_path, monkeyp
     assert os.environ["nvcc_path"] == "" and _env.no_cuda_reason is None
 
 
+def test_jittor_compiles_kernels_in_one_thread_per_cpu(monkeypatch):
+    """jittor's own default is 8 compile threads on a 2-core, 24 GB machine (a CI run crashed
+    in one of them): ``configure`` defaults ``use_parallel_op_compiler`` to the CPUs this
+    process may use, keeps the user's, and jittor honours the environment variable."""
+    from lora_core import get_backend
+
+    get_backend("jittor")
+    import jittor as jt
+
+    from backends.jittor import _env
+
+    monkeypatch.delenv("use_parallel_op_compiler", raising=False)
+    _env.configure()
+    assert os.environ["use_parallel_op_compiler"] == str(_env.compile_threads())
+    assert 1 <= _env.compile_threads() <= min(16, os.cpu_count())
+    monkeypatch.setenv("use_parallel_op_compiler", "3")
+    _env.configure()
+    assert os.environ["use_parallel_op_compiler"] == "3"
+    # this process imported jittor through the backend, so its flag came from configure
+    assert jt.flags.use_parallel_op_compiler == _env.compile_threads()
+
+
 def test_asking_a_jittor_without_cuda_for_the_gpu_gives_the_self_check_error(tmp_path, monkeypatch):
     """Issue 25: on a machine with a driver, a jittor without CUDA (this one is built for the
     CPU) asked for the GPU raises the self-check's error (the toolkit found, the versions jittor
