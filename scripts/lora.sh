@@ -6,7 +6,8 @@
 #   bash scripts/lora.sh demo [ARGS]   # embedded demo: both backends, train -> beam -> decode -> eval
 #   bash scripts/lora.sh demo-cls [ARGS]  # SST-2 demo (data in ../shared/data or --data-dir): DistilBERT
 #                                      # pre-trained here, LoRA in both backends, dev accuracy
-#   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS)
+#   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS; LORA_TEST_WORKERS, default
+#                                      # the CPUs up to 4, processes with pytest-xdist)
 #   bash scripts/lora.sh setup         # only install
 #   bash scripts/lora.sh bench [ARGS]  # speed/memory benchmark (examples/nlg/bench.py)
 # Environment: PYTHON (default python3), LORA_VENV (default .venv), TORCH_SPEC (default
@@ -59,13 +60,38 @@ setup() {
   touch "$stamp"
 }
 
+test_workers() {
+  # pytest-xdist's options for the suite: LORA_TEST_WORKERS processes (default: the CPUs this
+  # process may use, at most 4; 1 = one process, no xdist), each test file on one worker (its
+  # module fixtures built once). Most tests wait on child processes or run one thread, so 2
+  # workers on 2 cores take about half the time of one. Nothing is added when ARGS choose
+  # workers themselves (-n, --numprocesses, -p no:xdist) or debug (--pdb, --trace).
+  local a n=${LORA_TEST_WORKERS:-}
+  for a in "$@"; do
+    case "$a" in -n|-n*|--numprocesses*|no:xdist|--pdb|--trace) return 0 ;; esac
+  done
+  if [ -z "$n" ]; then
+    n=$("$venv/bin/python" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+  fi
+  case "$n" in ''|*[!0-9]*) echo "LORA_TEST_WORKERS=$n: not a number of processes" >&2; exit 2 ;; esac
+  [ "$n" -gt 1 ] || return 0
+  if ! "$venv/bin/python" -c 'import xdist' 2>/dev/null; then  # a venv set up before xdist was a dependency
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q 'pytest-xdist>=3.5' >&2 \
+      || { echo "[test] no pytest-xdist: running in one process" >&2; return 0; }
+  fi
+  echo "-n $n --dist loadfile --no-loadscope-reorder"
+  return 0
+}
+
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   setup) setup ;;
   test)
     [ -f "$stamp" ] || setup
-    "$venv/bin/python" -m pytest "$@" ;;
+    xdist_opts=$(test_workers "$@")
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pytest $xdist_opts "$@" ;;
   demo)
     [ -f "$stamp" ] || setup
     "$venv/bin/python" -m examples.nlg.demo "$@" ;;
@@ -75,5 +101,5 @@ case "$cmd" in
   bench)
     [ -f "$stamp" ] || setup
     "$venv/bin/python" -m examples.nlg.bench "$@" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
 esac
