@@ -46,6 +46,15 @@ setup() {
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   local pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
   "${pip[@]}" --upgrade pip setuptools wheel
+  # jittor first: its first import compiles its core for minutes on all CPUs, while torch,
+  # transformers and the rest download and unpack beside it (mostly waiting on disk and network)
+  need_mpi  # jittor's MPI ops compile at that import
+  "${pip[@]}" -e ".[jittor]"
+  bash scripts/link_onednn.sh "$venv"
+  echo "[setup] compiling jittor's kernels in the background (first time: a few minutes)"
+  local jlog="$venv/.jittor_compile.log" jpid
+  "$venv/bin/python" -c 'import lora_core as lc; b = lc.get_backend("jittor"); import jittor as jt; from jittor import compile_extern as ce; print("[setup] jittor", jt.__version__, "oneDNN:", ce.mkl_ops is not None, "MPI:", ce.mpi is not None); assert ce.mkl_ops is not None, "jittor did not load oneDNN"' >"$jlog" 2>&1 &
+  jpid=$!
   if [ -n "${PIP_INDEX_FOR_TORCH:-}" ]; then
     "${pip[@]}" --index-url "$PIP_INDEX_FOR_TORCH" "${TORCH_SPEC:-torch==2.13.0}"
   else
@@ -53,10 +62,12 @@ setup() {
   fi
   "${pip[@]}" -e ".[all]"
   need_java
-  need_mpi
-  bash scripts/link_onednn.sh "$venv"
-  echo "[setup] compiling jittor's kernels (first time: a few minutes)"
-  "$venv/bin/python" -c 'import lora_core as lc; b = lc.get_backend("jittor"); import jittor as jt; from jittor import compile_extern as ce; print("[setup] jittor", jt.__version__, "oneDNN:", ce.mkl_ops is not None, "MPI:", ce.mpi is not None); assert ce.mkl_ops is not None, "jittor did not load oneDNN"'
+  if ! wait "$jpid"; then
+    tail -n 40 "$jlog" >&2
+    echo "[setup] jittor's first import failed (log: $jlog)" >&2
+    exit 1
+  fi
+  grep '^\[setup\] jittor' "$jlog"
   touch "$stamp"
 }
 
