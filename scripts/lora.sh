@@ -7,7 +7,7 @@
 #   bash scripts/lora.sh demo-cls [ARGS]  # SST-2 demo (data in ../shared/data or --data-dir): DistilBERT
 #                                      # pre-trained here, LoRA in both backends, dev accuracy
 #   bash scripts/lora.sh test [ARGS]   # the whole test suite (pytest ARGS; LORA_TEST_WORKERS, default
-#                                      # one more than the CPUs, up to 4, processes with pytest-xdist)
+#                                      # the CPUs up to 4, processes with pytest-xdist)
 #   bash scripts/lora.sh setup         # only install
 #   bash scripts/lora.sh bench [ARGS]  # speed/memory benchmark (examples/nlg/bench.py)
 # Environment: PYTHON (default python3), LORA_VENV (default .venv), TORCH_SPEC (default
@@ -72,19 +72,19 @@ setup() {
 }
 
 test_workers() {
-  # pytest-xdist's options for the suite: LORA_TEST_WORKERS processes (default: one more than the
-  # CPUs this process may use, at most 4; 1 = one process, no xdist), each test file on one worker
-  # (its module fixtures built once). Most tests wait on child processes or run one thread, and on
-  # a fresh kernel cache jittor compiles one kernel at a time under a lock that blocks the other
-  # jittor processes: with one worker per CPU the CPUs stood idle 14% of a CI-like run, so one
-  # worker more keeps them busy. Nothing is added when ARGS choose workers themselves (-n,
-  # --numprocesses, -p no:xdist) or debug (--pdb, --trace).
+  # pytest-xdist's options for the suite: LORA_TEST_WORKERS processes (default: the CPUs this
+  # process may use, at most 4; 1 = one process, no xdist), each test file on one worker (its
+  # module fixtures built once). Most tests wait on child processes or run one thread, so 2
+  # workers on 2 cores take about half the time of one; a third worker on 2 cores was slower on a
+  # fresh kernel cache (36 min 9 s of tests vs 33-34 min), though it left no CPU idle. Nothing is
+  # added when ARGS choose workers themselves (-n, --numprocesses, -p no:xdist) or debug (--pdb,
+  # --trace).
   local a n=${LORA_TEST_WORKERS:-}
   for a in "$@"; do
     case "$a" in -n|-n*|--numprocesses*|no:xdist|--pdb|--trace) return 0 ;; esac
   done
   if [ -z "$n" ]; then
-    n=$("$venv/bin/python" -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')
+    n=$("$venv/bin/python" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
   fi
   case "$n" in ''|*[!0-9]*) echo "LORA_TEST_WORKERS=$n: not a number of processes" >&2; exit 2 ;; esac
   [ "$n" -gt 1 ] || return 0

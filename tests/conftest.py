@@ -29,32 +29,26 @@ def backend(request):
     return get_backend(request.param)
 
 
-# Test files that take about a minute and a half or more (their tests' durations summed, 2
-# workers, a fresh kernel cache as in CI, 2-core AMD EPYC: 595 s for the pipeline parity down to
-# 81 s for the injection tests): under pytest-xdist (``scripts/lora.sh test`` runs ``-n`` workers
-# with ``--dist loadfile``, one file's tests on one worker) they are handed out first, longest
-# first, so that no worker starts a long file when the others are nearly done; torch-only files
-# (compile, eval, precision) are moved up among them, so that on a fresh cache a worker has work
-# that needs no jittor kernel while jittor compiles one kernel at a time under its cache lock.
-# xdist gives a worker a second file at once when its first has at most 2 tests (the pipeline
-# parity has one). A file not listed keeps its place after them.
+# Test files that take about a minute or more (their tests' durations summed, 2 workers, warm
+# kernel cache, 2-core AMD EPYC: 348 s for the pipeline parity down to 55 s for full FT): under
+# pytest-xdist (``scripts/lora.sh test`` runs ``-n`` workers with ``--dist loadfile``, one file's
+# tests on one worker) they are handed out first, longest first, so that no worker starts a long
+# file when the others are nearly done. A file not listed keeps its place after them.
 HEAVY_FIRST = (
     "test_pipeline_parity.py",
     "test_lm_bench.py",
-    "test_compile.py",
-    "test_eval.py",
     "test_zero.py",
     "test_bench.py",
+    "test_compile.py",
     "test_distributed.py",
     "test_cls_train.py",
-    "test_grad_checkpoint.py",
     "test_precision.py",
-    "test_lm_task.py",
-    "test_llama.py",
     "test_qlora_memory.py",
-    "test_full_ft.py",
+    "test_eval.py",
+    "test_lm_task.py",
     "test_train_quantize.py",
-    "test_inject_backends.py",
+    "test_train.py",
+    "test_full_ft.py",
 )
 
 

@@ -185,7 +185,7 @@ def _recipe_run_batches(shared_dir, dataset: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", ["e2e", "webnlg", "dart"])
+@pytest.mark.parametrize("dataset", ["dart"])  # e2e and webnlg (fewer buckets, same code): add them here
 def test_every_bucket_of_a_recipe_run_compiles(shared_dir, dataset):
     """Issue 25: each paper recipe's whole run (5 epochs at its batch size, on the shared
     training data) meets more buckets than dynamo allows by default (DART at batch 8: 95; the
@@ -193,7 +193,8 @@ def test_every_bucket_of_a_recipe_run_compiles(shared_dir, dataset):
     ``fullgraph=True`` does not fall back to eager). From dynamo's default limits, the compiled
     step compiles every bucket once, and the limit follows. The first batch of each bucket is
     run (dynamo's ``eager`` backend, a one-layer GPT-2 with n_positions 1024: the recipe's
-    shapes, quickly)."""
+    shapes, quickly). DART's run is the one past the old limit; the E2E and WebNLG recipes meet
+    fewer buckets through the same code (26 s and 85 s more in a CI-like run; left out of the suite)."""
     import torch
 
     from lora_core.train.buckets import bucket_shape

@@ -19,8 +19,8 @@ def _workers(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 
 def test_lora_sh_picks_workers_unless_the_arguments_do():
-    workers = min(4, len(os.sched_getaffinity(0)) + 1)  # one more than the CPUs, at most 4
-    default = f"[-n {workers} --dist loadfile --no-loadscope-reorder]"
+    cpus = min(4, len(os.sched_getaffinity(0)))
+    default = f"[-n {cpus} --dist loadfile --no-loadscope-reorder]" if cpus > 1 else "[]"
     assert _workers("tests/test_nf4.py", "-q").stdout.strip() == default
     assert _workers(env={"LORA_TEST_WORKERS": "3"}).stdout.strip() == "[-n 3 --dist loadfile --no-loadscope-reorder]"
     assert _workers(env={"LORA_TEST_WORKERS": "1"}).stdout.strip() == "[]"
