@@ -76,7 +76,7 @@ test_workers() {
   # process may use, at most 4; 1 = one process, no xdist), each test file on one worker (its
   # module fixtures built once). Most tests wait on child processes or run one thread, so 2
   # workers on 2 cores take about half the time of one; a third worker on 2 cores was slower on a
-  # fresh kernel cache (36 min 9 s of tests vs 33-34 min), though it left no CPU idle. Nothing is
+  # fresh kernel cache (clean clones: 36 min 9 s of tests vs 31-34 min with 2), though it left no CPU idle. Nothing is
   # added when ARGS choose workers themselves (-n, --numprocesses, -p no:xdist) or debug (--pdb,
   # --trace).
   local a n=${LORA_TEST_WORKERS:-}
