@@ -135,8 +135,11 @@ class LlamaMLP(nn.Module):
 
 class SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` keeping only its two inputs for the backward pass (autograd's chain
-    would also keep ``silu(gate)``, one more (tokens, intermediate) tensor per layer):
-    d gate = g * up * s * (1 + gate * (1 - s)), d up = g * silu(gate), s = sigmoid(gate)."""
+    would also keep ``silu(gate)``, one more (tokens, intermediate) tensor per layer). The
+    backward pass recomputes ``silu(gate)`` and takes the rest as autograd's chain does:
+    d up = g * silu(gate), d gate = silu_backward(g * up, gate), four passes over the
+    (tokens, intermediate) tensors (the formula written out, g * up * s * (1 + gate * (1 - s)),
+    took nine: 0.18 s more of a 2 x 256-token step at llama-bench widths than transformers')."""
 
     @staticmethod
     def forward(ctx, gate, up):
@@ -146,9 +149,8 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         gate, up = ctx.saved_tensors
-        s = torch.sigmoid(gate)
-        d_up = g * (gate * s) if ctx.needs_input_grad[1] else None
-        d_gate = (g * up) * (s * (1 + gate * (1 - s))) if ctx.needs_input_grad[0] else None
+        d_up = g * F.silu(gate) if ctx.needs_input_grad[1] else None
+        d_gate = torch.ops.aten.silu_backward(g * up, gate) if ctx.needs_input_grad[0] else None
         return d_gate, d_up
 
 
