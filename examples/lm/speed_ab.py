@@ -32,11 +32,12 @@ import numpy as np
 from ..bench_worker import environment, environment_line
 from ..nlg.bench import code_version
 from .bench import write_inputs
-from .bench_shapes import SHAPES, shape_config
+from .bench_shapes import SHAPES, describe, shape_config
 from .bench_shapes import targets as targets_of
 from .bench_systems import METHODS, SEED, bench_method, make_system, token_rows
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
+ONE_PROCESS = tuple(m for m in METHODS if not bench_method(m)[1])  # no ZeRO: those need several processes
 
 
 def bootstrap_median(x: list[float], level: float = 0.9, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--block", type=int, default=256)
-    p.add_argument("--method", default="lora", help="a one-process method of the bench: " + ", ".join(m for m in METHODS if "-z" not in m))
+    p.add_argument("--method", default="lora", help="a one-process method of the bench: " + ", ".join(ONE_PROCESS))
     p.add_argument("--systems", default="ours-torch,hf-peft", help="comma-separated, the first is the one compared with the others")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each system), after one untimed round")
     p.add_argument("--threads", type=int, default=1)
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         p.error(f"--systems {a.systems!r}: two or three different systems of {', '.join(SYSTEMS)}")
-    if a.method not in METHODS or bench_method(a.method)[1]:
-        p.error(f"--method {a.method!r}: one of {', '.join(m for m in METHODS if '-z' not in m)} (ZeRO rows need several processes: examples.lm.bench)")
+    if a.method not in ONE_PROCESS:
+        p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
 
@@ -116,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 print(f"round {r}/{a.rounds}: " + "  ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
     summary = summarise(times, tokens)
-    print(f"\n{a.method} on {a.shape} ({cfg.num_hidden_layers if hasattr(cfg, 'num_hidden_layers') else cfg.n_layer} layers), "
-          f"batch {a.batch} x {a.block} tokens, {a.rounds} rounds, {a.threads} thread(s); code {code_version()}")  # fmt: skip
+    print(f"\n{a.method} on {a.shape} ({describe(cfg)}), batch {a.batch} x {a.block} tokens, {a.rounds} rounds, "
+          f"{a.threads} thread(s); code {code_version()}")  # fmt: skip
     print(environment_line(env))
     print("first loss: " + ", ".join(f"{n} {loss0[n]:.6f}" for n in names))
     for n, s in summary["systems"].items():
