@@ -1,8 +1,8 @@
-"""ours-torch returns glibc's freed heap at each Llama decoder layer of a training step
-(``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``): once where the forward pass
-enters a layer and once where the backward pass leaves it (where a gradient flows there: not
-below the first layer of LoRA, whose embedding is frozen), never in inference; the same
-gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
+"""ours-torch returns glibc's freed heap at every second Llama decoder layer of a training step
+(``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``; ``LORA_MALLOC_TRIM_EVERY=1``: every
+layer): where the forward pass enters such a layer (and the last one) and where the backward pass
+leaves it (where a gradient flows there: not below the first layer of LoRA, whose embedding is
+frozen), never in inference; the same gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
 ``LORA_MALLOC_TRIM=1`` trims every training step, ``0`` none, another value is refused."""
 
 from __future__ import annotations
@@ -66,15 +66,50 @@ def _calls_per_step(bk, m, cfg, monkeypatch):
 @pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
 @pytest.mark.parametrize("mode,gc,trims", [("auto", False, False), ("auto", True, True), ("1", False, True),
                                            ("on", True, True), ("0", True, False), ("off", False, False)])  # fmt: skip
-def test_trims_twice_per_layer_where_wanted(mode, gc, trims, monkeypatch):
+def test_trims_where_wanted(mode, gc, trims, monkeypatch):
     bk, m, cfg = _model(gc)
     monkeypatch.setenv("LORA_MALLOC_TRIM", mode)
+    fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
+    assert cfg.num_hidden_layers == 2
+    # by default (every second layer) the forward pass trims entering layer 1 (the second and the
+    # last), the backward pass leaving it
+    assert (fwd, bwd) == ((1, 1) if trims else (0, 0))
+    assert same
+
+
+@pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
+@pytest.mark.parametrize("gc", [False, True])
+def test_every_layer_on_request(gc, monkeypatch):
+    bk, m, cfg = _model(gc)
+    monkeypatch.setenv("LORA_MALLOC_TRIM", "1")
+    monkeypatch.setenv("LORA_MALLOC_TRIM_EVERY", "1")
     fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
     L = cfg.num_hidden_layers
     # forward: one per layer; backward: one per layer but the first, whose input (the frozen
     # embedding's output) takes no gradient
-    assert (fwd, bwd) == ((L, L - 1) if trims else (0, 0))
-    assert same
+    assert (fwd, bwd) == (L, L - 1) and same
+
+
+def test_trim_points():
+    def where(points, k):
+        return [i for i, p in enumerate(points) if p[k]]
+
+    eight = heap.trim_points(8, 2)
+    assert where(eight, 0) == where(eight, 1) == [1, 3, 5, 7]
+    five = heap.trim_points(5, 2)
+    assert where(five, 0) == [1, 3, 4] and where(five, 1) == [1, 3]  # the last layer's forward entry too
+    assert heap.trim_points(4, 1) == [(True, True)] * 4
+    assert where(heap.trim_points(16, 4), 0) == [3, 7, 11, 15]
+    assert heap.trim_points(1, 2) == [(True, False)]
+    with pytest.raises(ValueError, match="stride 0"):
+        heap.trim_points(4, 0)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_stride_is_refused_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv("LORA_MALLOC_TRIM_EVERY", value)
+    with pytest.raises(ValueError, match=f"LORA_MALLOC_TRIM_EVERY={value!r}"):
+        heap.trim_points(8)
 
 
 @pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
@@ -92,7 +127,7 @@ def test_a_4bit_base_trims_by_default(tmp_path, monkeypatch):
     bk.inject_lora(m, lc.LoRATargetConfig(r=4, alpha=8.0, dropout=0.0, seed=1, target_modules=("q_proj", "v_proj")))
     monkeypatch.delenv("LORA_MALLOC_TRIM", raising=False)
     fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
-    assert (fwd, bwd) == (cfg.num_hidden_layers, cfg.num_hidden_layers - 1) and same
+    assert (fwd, bwd) == (1, 1) and same
 
 
 def test_switched_off_by_the_environment():
@@ -106,3 +141,16 @@ def test_a_bad_mode_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("LORA_MALLOC_TRIM", "yes")
     with pytest.raises(ValueError, match="LORA_MALLOC_TRIM='yes'"):
         heap.wanted(False, False)
+
+
+@pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
+def test_stride_ab_runs_and_refuses_bad_strides():
+    cmd = [sys.executable, "-m", "examples.lm.heap_trim_ab", "--shape", "tiny-llama", "--batch", "2", "--block", "16",
+           "--steps", "2", "--gc", "--ab", "stride"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert [x.split()[:2] for x in lines[:2]] == [["every", "1"], ["every", "2"]]
+    assert all("page faults per step" in x for x in lines[:2]) and "every 1 / every 2:" in lines[2]
+    bad = subprocess.run(cmd + ["--strides", "1,0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "--strides '1,0'" in bad.stderr

@@ -195,20 +195,23 @@ class LlamaModel(nn.Module):
 
 class TrimHeap(torch.autograd.Function):
     """The identity at a decoder layer's input, returning the freed heap to the OS
-    (``lora_core.train.heap``) where the forward pass enters the layer and where the backward
-    pass leaves it: a CPU training step's peak then holds its live tensors, not the free pages
-    glibc keeps of earlier layers' intermediates. Used where ``heap.wanted`` says (by default
-    with activation checkpointing or a 4-bit base)."""
+    (``lora_core.train.heap``) where the forward pass enters the layer (``fwd``) and where the
+    backward pass leaves it (``bwd``): a CPU training step's peak then holds its live tensors, not
+    the free pages glibc keeps of earlier layers' intermediates. Used where ``heap.wanted`` says
+    (by default with activation checkpointing or a 4-bit base), at ``heap.trim_points``."""
 
     @staticmethod
-    def forward(ctx, x):
-        heap.trim()
+    def forward(ctx, x, fwd: bool = True, bwd: bool = True):
+        ctx.bwd = bwd
+        if fwd:
+            heap.trim()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        heap.trim()
-        return g
+        if ctx.bwd:
+            heap.trim()
+        return g, None, None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -287,8 +290,9 @@ class LlamaForCausalLM(nn.Module):
         trim = (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
                 and heap.wanted(recompute, any(getattr(m, "is_4bit", False) for m in self.modules()))
                 and heap.available() and not torch.compiler.is_compiling())  # fmt: skip
-        for layer in self.model.layers:
-            x = TrimHeap.apply(x) if trim else x
+        points = heap.trim_points(len(self.model.layers)) if trim else None
+        for i, layer in enumerate(self.model.layers):
+            x = TrimHeap.apply(x, *points[i]) if trim and any(points[i]) else x
             if recompute and layer.down_keeps_nothing():  # recompute up to down_proj: 26% fewer GEMMs at Llama widths
                 x, h = checkpointed_to(layer.before_down, layer, x, rope, unpad)
                 x = x + layer.mlp.down_proj(h)

@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -177,11 +178,13 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     if compile_:
         system.bk.set_compile(system.model, True, compile_)
     batches = [system.prepare(r) for r in rows]
-    times, losses, step_anon = [], [], []
+    times, losses, step_anon, faults = [], [], [], []
     for i, batch in enumerate(batches):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         losses.append(system.train_step(batch))
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)  # pages touched afresh
         mem.sample()
         step_anon.append(mem.anon)  # the peak so far: when it is reached
         log(f"{spec['system']} train step {i + 1}/{n} ({'warm-up' if i < warm else 'timed'}): {times[-1]:.3f} s")
@@ -194,6 +197,7 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
             "loss": losses, **{"train_" + k: v for k, v in peaks.items()}, "method": method,
             "baseline_private_mb": baseline["private_mb"], "baseline_anon_mb": baseline["anon_mb"],
             **{"loaded_" + k: v for k, v in loaded.items()}, "peak_anon_after_step_mb": step_anon, "parts_mb": parts,
+            "minor_faults": faults,
             "attn_implementation": getattr(system, "attn_implementation", None)}  # fmt: skip
 
 

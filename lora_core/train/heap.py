@@ -79,6 +79,32 @@ def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
     return trims(mode(), grad_checkpoint, quantized)
 
 
+EVERY = 2  # trim at every EVERY-th layer (LORA_MALLOC_TRIM_EVERY overrides; 1: every layer, as before)
+
+
+def every() -> int:
+    """The stride of the trim points in layers: ``LORA_MALLOC_TRIM_EVERY`` (a positive integer)
+    or :data:`EVERY`; another value is refused naming the variable."""
+    v = os.environ.get("LORA_MALLOC_TRIM_EVERY", "").strip()
+    if not v:
+        return EVERY
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"LORA_MALLOC_TRIM_EVERY={v!r}: expected a positive integer (layers between trims)")
+    return int(v)
+
+
+def trim_points(layers: int, stride: int | None = None) -> list[tuple[bool, bool]]:
+    """Per decoder layer, whether the heap is trimmed where the forward pass enters it and where
+    the backward pass leaves it: at every ``stride``-th layer (layers stride-1, 2 stride-1, ...),
+    both ways, and where the forward pass enters the last layer, after which the head and the
+    first (last layer's) backward come: the step's peak (docs/llama.md, where the trim's cost is
+    measured)."""
+    stride = every() if stride is None else stride
+    if stride < 1:
+        raise ValueError(f"trim stride {stride}: expected a positive number of layers")
+    return [(i % stride == stride - 1 or i == layers - 1, i % stride == stride - 1) for i in range(layers)]
+
+
 def available() -> bool:
     """Whether ``trim`` returns memory here (glibc, and not turned off by ``LORA_MALLOC_TRIM=0``)."""
     return mode() != "off" and _libc() is not None
