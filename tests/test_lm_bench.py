@@ -146,6 +146,20 @@ def test_lm_bench_zero_rows_match_one_process(tmp_path):
     assert all(r["predicted_mb"] > 0 for k, r in rows.items() if k != ("full-z3", "ours-jittor")), rows
 
 
+def test_bnb_dequantize_probe():
+    """The probe matches what bitsandbytes does on this CPU: widths that are multiples of the
+    block (or odd: its generic path) are right everywhere; it is False only for bitsandbytes'
+    AVX512 kernel at an even width that is not a multiple of the block."""
+    import torch
+    from bitsandbytes.backends.cpu import ops as cpu_ops
+
+    from examples.lm.bench_systems import bnb_dequantize_exact
+
+    torch.set_num_threads(1)
+    assert bnb_dequantize_exact(64) and bnb_dequantize_exact(128) and bnb_dequantize_exact(31)
+    assert bnb_dequantize_exact(32) or getattr(cpu_ops, "_has_avx512", False)
+
+
 def test_gpu_bench_rows_on_the_cpu(tmp_path):
     """``examples.lm.gpu_bench`` (run on a GPU with ``--device cuda``) on the CPU: every row of
     both systems trains from the same weights (first losses equal), ours' and transformers'
@@ -158,13 +172,16 @@ def test_gpu_bench_rows_on_the_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert rc == 0, result["table"]
     logits = result["logits"]  # LoRA, and QLoRA: ours' NF4 base against bitsandbytes' Linear4bit
-    assert logits["logits_rel_err"] < 1e-5 and logits["qlora_logits_rel_err"] < 1e-5, logits
+    # bitsandbytes' own CPU dequantization is wrong at tiny-llama's widths on AVX512 CPUs
+    # (bench_systems.bnb_dequantize_exact): there the QLoRA comparisons have no reference
+    exact = logits["bnb_dequantize_exact"]
+    assert logits["logits_rel_err"] < 1e-5 and (logits["qlora_logits_rel_err"] < 1e-5 or not exact), logits
     rows = {(r["system"], r["method"]): r for r in result["rows"]}
     assert set(rows) == {(s, m) for s in ("ours-torch", "hf-peft") for m in ("full", "lora-gc", "qlora")}
     for (system, method), r in rows.items():
         assert r["train_tok_s"] > 0 and len(r["loss"]) == 2 and r["plan_mb"] > r["plan_alloc_mb"] > 0, (system, method, r)
         assert r["parts_mb"]["weights"] > 0
-    for method in ("full", "lora-gc", "qlora"):
+    for method in ("full", "lora-gc", "qlora") if exact else ("full", "lora-gc"):
         ours, hf = rows[("ours-torch", method)]["loss"][0], rows[("hf-peft", method)]["loss"][0]
         assert abs(ours - hf) <= 1e-5 * abs(hf), (method, ours, hf)
     assert "ours-torch / hf-peft qlora: tok/s" in result["table"]

@@ -60,6 +60,37 @@ def token_rows(vocab: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int64)
 
 
+def exact_4bit_inference(model) -> None:
+    """Keep bitsandbytes 0.50's ``Linear4bit`` on its float32 NF4 path in inference: in eval mode
+    without gradients, on a CPU with AVX512-BF16, it repacks its weight for a bfloat16 gemv kernel
+    (``_convert_weight_packed_for_cpu``: absmax rounded to bfloat16, 1.3e-3 x scale off the float32
+    logits, and a failure on widths below its block, as tiny-llama's 32). The reference is the
+    NF4 computation it trains with, the one ours reproduces."""
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
+def bnb_dequantize_exact(width: int, blocksize: int = 64) -> bool:
+    """Whether bitsandbytes' CPU ``dequantize_4bit`` gives the NF4 weights of rows ``width`` wide
+    (checked against ``lora_core.quant.nf4`` on the codes bitsandbytes made itself). bitsandbytes
+    0.50.2's AVX512 kernel scales each row's blocks from its start, so on a CPU with AVX512 a
+    width that is even but not a multiple of the block (tiny-llama's 32) dequantizes wrong (codes
+    right, max error 1.5 on a randn weight; ours 0.31); other widths and other CPUs are right."""
+    import numpy as np
+    import torch
+    from bitsandbytes import functional as bf
+
+    from lora_core.quant import nf4
+
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((4, width), dtype=np.float32))
+    q, state = bf.quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=False)
+    ours = nf4.dequantize_nf4(nf4.quantize_nf4(w.numpy(), blocksize=blocksize, double_quant=False)).reshape(w.shape)
+    return bool(np.array_equal(bf.dequantize_4bit(q, state).numpy(), ours))
+
+
 class Ours:
     """``backends.torch`` / ``backends.jittor``: ``from_pretrained``, ``inject_lora``, ``train_step``,
     greedy ``beam_search`` (beam 1, KV cache, unmerged LoRA)."""
@@ -155,6 +186,8 @@ class HFPeft:
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, **kw)
         if base != "qlora":
             model.to(self.device)
+        else:  # bitsandbytes' exact NF4 path in inference too (see exact_4bit_inference)
+            exact_4bit_inference(model)
         self.attn_implementation = model.config._attn_implementation
         model.generation_config.eos_token_id = None  # run every new token, as ours with stop_ids=()
         gc_kwargs = {"use_reentrant": False}

@@ -36,7 +36,7 @@ from pathlib import Path
 from .bench import write_inputs
 from .bench_shapes import SHAPES, shape_config
 from .bench_shapes import targets as targets_of
-from .bench_systems import SEED, make_system, token_rows
+from .bench_systems import SEED, bnb_dequantize_exact, make_system, token_rows
 
 METHODS = ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
 SYSTEMS = ("ours-torch", "hf-peft")
@@ -119,6 +119,8 @@ def check_logits(cfg, files: dict, args) -> dict:
     rows = token_rows(cfg.vocab_size, (2, min(args.block, 128)), SEED + 3)
     ids = torch.from_numpy(rows).to(args.device)
     out = {"rows": list(rows.shape)}
+    if not args.device.startswith("cuda"):  # bitsandbytes' own CPU kernel, wrong at some widths
+        out["bnb_dequantize_exact"] = all(bnb_dequantize_exact(w) for w in {cfg.hidden_size, cfg.intermediate_size})
     for method, key in (("lora", "logits_rel_err"), ("qlora", "qlora_logits_rel_err")):
         ours, hf = (make_system(name, Path(files["ckpt"]), Path(files["lora_decode"]), False, method, targets_of(cfg),
                                 device=args.device) for name in ("ours-torch", "hf-peft"))  # fmt: skip

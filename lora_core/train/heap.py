@@ -7,12 +7,17 @@ resident, so a training step's peak holds, beside its live tensors, the freed in
 earlier layers that the next allocations did not fit into (the planner's ``heap`` terms,
 docs/planning.md). ``malloc_trim(0)`` hands every free page of the heap back
 (``madvise(MADV_DONTNEED)`` on the free chunks, the top released), at the cost of a page fault
-when a later allocation touches it again. The torch backend calls it at each Llama decoder
-layer's input, in the forward pass and in the backward one: measured at Llama-3.2-1B widths
-(16 layers, batch 1 x 256), the peak private memory of LoRA 5778 -> 5568 MB and of QLoRA
-2670 -> 2359 MB (docs/llama.md). It costs step time, the page faults of the returned pages
-touched again: a LoRA step on llama-bench took 1.085x as long at 4 x 512 tokens and 1.17x at
+when a later allocation touches it again. The torch backend calls it at Llama decoder layers'
+inputs, in the forward pass and in the backward one: measured at Llama-3.2-1B widths
+(16 layers, batch 1 x 256), trimming at every layer took the peak private memory of LoRA
+5778 -> 5568 MB and of QLoRA 2670 -> 2359 MB (docs/llama.md). It costs step time: the page
+faults of the returned pages touched again (a LoRA+GC step on llama-bench, 2 x 256 tokens:
+~250 k minor faults against ~3 k untrimmed, about 3.5 us each on this VM, plus 15 calls of
+~8 ms), so a LoRA step on llama-bench took 1.085x as long at 4 x 512 tokens and 1.17x at
 2 x 256 (``python -m examples.lm.heap_trim_ab``, trimming alternated within one process).
+Since 8dfa36c it trims at every second layer (:func:`trim_points`; ``LORA_MALLOC_TRIM_EVERY=1``
+for every layer): the same peaks within 1.2% on llama-bench's LoRA+GC, QLoRA and QLoRA+GC
+rows, 20-32% fewer faults (``python -m examples.lm.heap_trim_ab --ab stride``).
 
 So by default (``LORA_MALLOC_TRIM=auto``, or unset) a run trims only where memory is what its
 method is for: with activation checkpointing or a 4-bit base (:func:`wanted`); plain LoRA and
