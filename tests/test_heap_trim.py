@@ -1,8 +1,8 @@
-"""ours-torch returns glibc's freed heap at each Llama decoder layer of a training step
-(``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``; ``LORA_MALLOC_TRIM_EVERY=2``: every
-second layer): where the forward pass enters a layer and where the backward pass leaves it
-(where a gradient flows there: not below the first layer of LoRA, whose embedding is frozen),
-never in inference; the same gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
+"""ours-torch returns glibc's freed heap at every second Llama decoder layer of a training step
+(``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``; ``LORA_MALLOC_TRIM_EVERY=1``: every
+layer): where the forward pass enters such a layer (and the last one) and where the backward pass
+leaves it (where a gradient flows there: not below the first layer of LoRA, whose embedding is
+frozen), never in inference; the same gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
 ``LORA_MALLOC_TRIM=1`` trims every training step, ``0`` none, another value is refused."""
 
 from __future__ import annotations
@@ -70,23 +70,24 @@ def test_trims_where_wanted(mode, gc, trims, monkeypatch):
     bk, m, cfg = _model(gc)
     monkeypatch.setenv("LORA_MALLOC_TRIM", mode)
     fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
-    L = cfg.num_hidden_layers
-    # forward: one per layer; backward: one per layer but the first, whose input (the frozen
-    # embedding's output) takes no gradient
-    assert (fwd, bwd) == ((L, L - 1) if trims else (0, 0))
+    assert cfg.num_hidden_layers == 2
+    # by default (every second layer) the forward pass trims entering layer 1 (the second and the
+    # last), the backward pass leaving it
+    assert (fwd, bwd) == ((1, 1) if trims else (0, 0))
     assert same
 
 
 @pytest.mark.skipif(heap._libc() is None, reason="no glibc malloc_trim")
 @pytest.mark.parametrize("gc", [False, True])
-def test_every_second_layer_on_request(gc, monkeypatch):
+def test_every_layer_on_request(gc, monkeypatch):
     bk, m, cfg = _model(gc)
     monkeypatch.setenv("LORA_MALLOC_TRIM", "1")
-    monkeypatch.setenv("LORA_MALLOC_TRIM_EVERY", "2")
+    monkeypatch.setenv("LORA_MALLOC_TRIM_EVERY", "1")
     fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
-    assert cfg.num_hidden_layers == 2
-    # the forward pass trims entering layer 1 (the second and the last), the backward pass leaving it
-    assert (fwd, bwd) == (1, 1) and same
+    L = cfg.num_hidden_layers
+    # forward: one per layer; backward: one per layer but the first, whose input (the frozen
+    # embedding's output) takes no gradient
+    assert (fwd, bwd) == (L, L - 1) and same
 
 
 def test_trim_points():
@@ -126,7 +127,7 @@ def test_a_4bit_base_trims_by_default(tmp_path, monkeypatch):
     bk.inject_lora(m, lc.LoRATargetConfig(r=4, alpha=8.0, dropout=0.0, seed=1, target_modules=("q_proj", "v_proj")))
     monkeypatch.delenv("LORA_MALLOC_TRIM", raising=False)
     fwd, bwd, same = _calls_per_step(bk, m, cfg, monkeypatch)
-    assert (fwd, bwd) == (cfg.num_hidden_layers, cfg.num_hidden_layers - 1) and same
+    assert (fwd, bwd) == (1, 1) and same
 
 
 def test_switched_off_by_the_environment():

@@ -15,12 +15,13 @@ faults of the returned pages touched again (a LoRA+GC step on llama-bench, 2 x 2
 ~250 k minor faults against ~3 k untrimmed, about 3.5 us each on this VM, plus 15 calls of
 ~8 ms), so a LoRA step on llama-bench took 1.085x as long at 4 x 512 tokens and 1.17x at
 2 x 256 (``python -m examples.lm.heap_trim_ab``, trimming alternated within one process).
-``LORA_MALLOC_TRIM_EVERY=2`` trims at every second layer instead (:func:`trim_points`): on
-llama-bench at 2 x 256 tokens the same peaks within 1.2% (LoRA+GC, QLoRA, QLoRA+GC) with
-20-32% fewer faults, but LoRA+GC at 4 x 512 peaked 4% higher (698 vs 669 MB anonymous) for 23%
-fewer faults; the default stays every layer, the setting the memory figures and the planner's
-constants were measured with (docs/llama.md; ``python -m examples.lm.heap_trim_ab --ab stride``
-times the two in one process).
+By default it trims at every second layer (:func:`trim_points`; ``LORA_MALLOC_TRIM_EVERY=1``
+for every layer, the default before): on llama-bench at 2 x 256 tokens the same peaks within
+1.2% (LoRA+GC, QLoRA, QLoRA+GC) with 20-32% fewer faults and ~10% less time (ours / HF tokens/s
+in one process: LoRA+GC 0.851 -> 0.954, QLoRA 0.861 -> 0.946); at Llama-3.2-1B widths (16
+layers, 1 x 256) QLoRA 2356 vs 2357 MB private, QLoRA+GC 2005 vs 1994; LoRA+GC at 4 x 512
+698 vs 669 MB anonymous in one run each, within the 18-32 MB between repeats of one setting
+there (docs/llama.md; ``python -m examples.lm.heap_trim_ab --ab stride`` times the two).
 
 So by default (``LORA_MALLOC_TRIM=auto``, or unset) a run trims only where memory is what its
 method is for: with activation checkpointing or a 4-bit base (:func:`wanted`); plain LoRA and
@@ -87,7 +88,7 @@ def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
     return trims(mode(), grad_checkpoint, quantized)
 
 
-EVERY = 1  # trim at every EVERY-th layer (LORA_MALLOC_TRIM_EVERY overrides)
+EVERY = 2  # trim at every EVERY-th layer (LORA_MALLOC_TRIM_EVERY overrides; 1: every layer, the default up to 890acb3)
 
 
 def every() -> int:
