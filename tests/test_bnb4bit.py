@@ -49,12 +49,10 @@ def _load_4bit(d):
     """transformers' 4-bit model on the exact float32 path: without this, bitsandbytes 0.50.2's
     Linear4bit in eval mode on a CPU with AVX512-BF16 repacks its weight for a bfloat16 gemv
     kernel (``_convert_weight_packed_for_cpu``; 1.3e-3 x scale off float32 here)."""
-    import bitsandbytes as bnb
+    from examples.lm.bench_systems import exact_4bit_inference
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, quantization_config=_bnb_config(), device_map="cpu")
-    for m in hf.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
+    exact_4bit_inference(hf)
     return hf.eval()
 
 

@@ -2,8 +2,9 @@
 (``lora_core.train.heap``, ``backends.torch.llama.TrimHeap``; ``LORA_MALLOC_TRIM_EVERY=1``: every
 layer): where the forward pass enters such a layer (and the last one) and where the backward pass
 leaves it (where a gradient flows there: not below the first layer of LoRA, whose embedding is
-frozen), never in inference; the same gradients as without. By default (``auto``) only with activation checkpointing or a 4-bit base;
-``LORA_MALLOC_TRIM=1`` trims every training step, ``0`` none, another value is refused."""
+frozen), never in inference; the same gradients as without. By default (``auto``) only with
+activation checkpointing or a 4-bit base; ``LORA_MALLOC_TRIM=1`` trims every training step, ``0``
+none, another value is refused."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ HEAD = ["pre_classifier", "classifier"]
 def _load_4bit(d, skip=HEAD, config=True):
     """transformers' 4-bit model on the exact float32 path (tests/test_bnb4bit.py's ``_load_4bit``);
     ``config=False``: the checkpoint's own ``quantization_config`` decides."""
-    import bitsandbytes as bnb
+    from examples.lm.bench_systems import exact_4bit_inference
 
     kw = {}
     if config:
@@ -43,9 +43,7 @@ def _load_4bit(d, skip=HEAD, config=True):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip)
     hf = transformers.DistilBertForSequenceClassification.from_pretrained(d, device_map="cpu", **kw)
-    for m in hf.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
+    exact_4bit_inference(hf)
     return hf.eval()
 
 

@@ -52,6 +52,15 @@ def main(argv=None) -> int:
 
     if heap._libc() is None:
         p.error("no glibc malloc_trim here: nothing to compare")
+    strides = a.strides.split(",")
+    if a.ab == "stride":
+        try:
+            if len(strides) != 2:
+                raise ValueError("expected two values, e.g. 1,2")
+            for x in strides:
+                heap.parse_stride(x, "a stride")
+        except ValueError as e:
+            p.error(f"--strides {a.strides!r}: {e}")
     torch.set_num_threads(1)
     cfg = llama_config(a.shape)
     model = bk.LlamaForCausalLM(cfg)
@@ -64,9 +73,6 @@ def main(argv=None) -> int:
     half = a.block // 2
     batch = collate([(rng.integers(1, cfg.vocab_size, half).tolist(), rng.integers(1, cfg.vocab_size, a.block - half).tolist())
                      for _ in range(a.batch)])  # fmt: skip
-    strides = a.strides.split(",")
-    if a.ab == "stride" and (len(strides) != 2 or not all(x.isdigit() and int(x) >= 1 for x in strides)):
-        p.error(f"--strides {a.strides!r}: expected two positive integers, e.g. 1,2")
     names = {"trim": ("trim", "no trim"), "gc": ("GC", "plain"), "stride": tuple(f"every {x}" for x in strides)}[a.ab]
     mode = heap.mode()
 

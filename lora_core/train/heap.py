@@ -91,15 +91,19 @@ def wanted(grad_checkpoint: bool, quantized: bool) -> bool:
 EVERY = 2  # trim at every EVERY-th layer (LORA_MALLOC_TRIM_EVERY overrides; 1: every layer, the default up to 890acb3)
 
 
+def parse_stride(value: str, where: str) -> int:
+    """A trim stride given as text (layers between trims, a positive integer); another value is
+    refused naming ``where`` (the variable or option it came from)."""
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{where}={value!r}: expected a positive integer (layers between trims)")
+    return int(value)
+
+
 def every() -> int:
     """The stride of the trim points in layers: ``LORA_MALLOC_TRIM_EVERY`` (a positive integer)
     or :data:`EVERY`; another value is refused naming the variable."""
     v = os.environ.get("LORA_MALLOC_TRIM_EVERY", "").strip()
-    if not v:
-        return EVERY
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"LORA_MALLOC_TRIM_EVERY={v!r}: expected a positive integer (layers between trims)")
-    return int(v)
+    return parse_stride(v, "LORA_MALLOC_TRIM_EVERY") if v else EVERY
 
 
 def trim_points(layers: int, stride: int | None = None) -> list[tuple[bool, bool]]:
