@@ -11,6 +11,7 @@
 #   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
 # Usage there: bash scripts/gpu_checks.sh [STEP ...]   (default: tests nlg llama jittor, ~9 min)
 # Steps for the questions the first run left (docs/gpu.md), ~6 min together:
+#   llama-fp32  the 4-layer rows of step llama in float32 (no autocast), plain and GC (~1 min)
 #   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
 #            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
 #   sdpa     GPT-2 Medium bf16 batch 8 with PyTorch's cuDNN attention off (scripts/gpu_site)
@@ -48,7 +49,8 @@ run() {  # run NAME LIMIT_S CMD...: the command's output into gpu.log, its time 
 for s in $steps; do
   case $s in
     tests)
-      run pytest-gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/ ;;
+      # only the modules that hold GPU-marked tests: collecting the whole suite took most of 126 s
+      run pytest-gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
     nlg)
       for cfg in "8 fp32" "8 bf16" "32 bf16"; do
         set -- $cfg
@@ -62,9 +64,12 @@ for s in $steps; do
     llama)
       run lm-gpu 170 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
         --steps 5 --methods full,lora,lora-gc,qlora,qlora-gc --check-logits --json "$OUT/lm-gpu.json" ;;
+    llama-fp32)
+      run lm-gpu-fp32 120 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
+        --steps 5 --precision fp32 --methods full,full-gc,lora,lora-gc,qlora,qlora-gc --json "$OUT/lm-gpu-fp32.json" ;;
     llama16)
       run lm-gpu-16 240 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 --steps 5 \
-        --methods full,lora,lora-gc,qlora,qlora-gc --check-logits --profile "$OUT/prof" --json "$OUT/lm-gpu-16.json"
+        --methods full,full-gc,lora,lora-gc,qlora,qlora-gc --check-logits --profile "$OUT/prof" --json "$OUT/lm-gpu-16.json"
       tar czf "$OUT/profiles.tgz" -C "$OUT" prof && rm -rf "$OUT/prof" ;;
     sdpa)
       LORA_GPU_CUDNN_SDP=0 PYTHONPATH=$PYTHONPATH:$ROOT/scripts/gpu_site run nlg-b8-bf16-nocudnn 120 \
@@ -87,7 +92,7 @@ from lora_core.models.gpt2 import gpt2_config
 m = bk.GPT2LMModel(gpt2_config('tiny'))
 print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
 " ;;
-    *) echo "unknown step $s (tests nlg llama jittor llama16 sdpa compile)" | tee -a "$LOG" ;;
+    *) echo "unknown step $s (tests nlg llama jittor llama-fp32 llama16 sdpa compile)" | tee -a "$LOG" ;;
   esac
 done
 date >>"$LOG"

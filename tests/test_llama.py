@@ -264,6 +264,34 @@ def test_greedy_and_beam_match_generate(backend, checkpoints, kind):
     assert beams == [_hf_generate(hf, c, num_beams=3) for c in ctxs]
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_captured_decode_step_gives_generate_beams(checkpoints, kind):
+    """torch: beam search's decode step on the preallocated cache (the step a GPU records once
+    per shape as a CUDA graph: ``decode_step`` "auto" there) with grouped-query heads (2 and 1
+    key/value heads), RoPE read at each row's position on the device: ``generate``'s greedy and
+    beam outputs, op by op and through a stand-in of the CUDA graph recorder; the config's
+    length bound (Mistral's ``sliding_window``) is refused as with the growing cache."""
+    from test_beam import ReplayRecorder, captured_search
+
+    bt = lc.get_backend("torch")
+    hf, d = checkpoints[kind]
+    model = bt.from_pretrained(d)
+    rng = np.random.default_rng(4)
+    ctxs = [rng.integers(1, V, n).tolist() for n in (5, 9, 3)]
+    for beam in (1, 3):
+        bc = BeamConfig(beam=beam, max_new_tokens=10, no_repeat_ngram_size=0, stop_ids=())
+        ref = [_hf_generate(hf, c, **({"num_beams": beam} if beam > 1 else {})) for c in ctxs]
+        assert bt.beam_search(model, ctxs, bc, batch_size=3, decode_step="captured") == ref
+        rec = ReplayRecorder()
+        out, static = captured_search(model, ctxs, bc, 3, rec)
+        assert out == ref and static.captures == 1 and rec.replays == bc.max_new_tokens - 1
+    limit, name = (64, "sliding_window") if kind == "mistral" else (128, "max_position_embeddings")
+    long = [[1 + i % (V - 1) for i in range(limit - 6)], [3, 4]]
+    for step in ("eager", "captured"):
+        with pytest.raises(ValueError, match=f"exceeds? {name}={limit}"):
+            bt.beam_search(model, long, BeamConfig(beam=2, max_new_tokens=10, stop_ids=()), decode_step=step)
+
+
 def test_peft_adapter_both_ways(backend, checkpoints, tmp_path):
     hf, d = checkpoints["llama"]
     ids, _ = _ids(6)
@@ -374,3 +402,62 @@ def test_compiled_training_step_matches_eager(checkpoints):
     assert_close("llama compiled vs eager step: losses", runs[1][0], runs[0][0], 1e-6)
     for n in runs[0][1]:
         assert_close("llama compiled vs eager step: LoRA weights", runs[1][1][n], runs[0][1][n], 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama3-tied", "mistral"])
+def test_cuda_matches_transformers(checkpoints, kind):
+    """On a GPU (torch), against transformers' model on the same GPU: float32 logits, padded
+    and unpadded, <= 1e-5 x scale; LoRA loss and gradients vs peft <= 1e-5 relative; greedy and
+    beam outputs (the captured decode step, "auto" on a GPU) identical to ``generate``'s."""
+    bt = lc.get_backend("torch")
+    hf, d = checkpoints[kind]
+    hf = copy.deepcopy(hf).cuda()
+    model = bt.from_pretrained(d)
+    bt.to_device(model, "cuda")
+    ids, mask = _ids()
+    ids_t, mask_t = torch.from_numpy(ids).cuda(), torch.from_numpy(mask).cuda()
+    with torch.no_grad():
+        ref, ref_pad = hf(ids_t).logits, hf(ids_t, attention_mask=mask_t).logits
+    assert_close(f"CUDA llama logits vs transformers ({kind})", to_numpy(model(ids_t)[0]), to_numpy(ref), 1e-5)
+    keep = mask.astype(bool)
+    assert_close(f"CUDA llama logits vs transformers, padded ({kind})", to_numpy(model(ids_t, attention_mask=mask_t)[0])[keep],
+                 to_numpy(ref_pad)[keep], 1e-5)
+    rng = np.random.default_rng(4)
+    ctxs = [rng.integers(1, V, n).tolist() for n in (5, 9, 3)]
+    for beam in (1, 3):
+        bc = BeamConfig(beam=beam, max_new_tokens=10, no_repeat_ngram_size=0, stop_ids=())
+        want = []
+        for c in ctxs:
+            out = hf.generate(torch.tensor([c]).cuda(), attention_mask=torch.ones(1, len(c), dtype=torch.long).cuda(),
+                              do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+                              **({"num_beams": beam} if beam > 1 else {}))
+            want.append(out[0, len(c):].tolist())
+        assert bt.beam_search(model, ctxs, bc, batch_size=3) == want, (kind, beam)
+    # LoRA gradients vs peft, both on the GPU
+    tc = lc.LoRATargetConfig(r=4, alpha=8.0, target_modules=PROJ, seed=5)
+    bt.inject_lora(model, tc)
+    vals = {n: (rng.normal(0, 0.2, p.shape) if "lora_B" in n else to_numpy(p)).astype(np.float32)
+            for n, p in bt.trainable_parameters(model).items()}
+    model.load_partial(vals)
+    model.train()
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJ)))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.from_numpy(vals[_ours(n)]))
+    batch = _lm_batch()
+    loss = bt.lm_loss(model, batch)
+    loss.backward()
+    grads = {n: to_numpy(p.grad) for n, p in bt.trainable_parameters(model).items()}
+    pm.train()
+    logits = pm(torch.from_numpy(batch["input_ids"]).cuda()).logits.reshape(-1, V)
+    ref_loss = torch.nn.functional.cross_entropy(logits[torch.from_numpy(batch["loss_index"]).cuda()],
+                                                 torch.from_numpy(batch["targets"]).cuda())
+    ref_loss.backward()
+    assert_close(f"CUDA llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss.item(), 1e-5)
+    ref_grads = {_ours(n): to_numpy(p.grad) for n, p in pm.named_parameters() if p.requires_grad}
+    assert set(grads) == set(ref_grads)
+    for n in grads:
+        assert_close(f"CUDA llama LoRA grad vs peft ({kind}) {n}", grads[n], ref_grads[n], 1e-5)

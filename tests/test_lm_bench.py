@@ -163,14 +163,19 @@ def test_bnb_dequantize_probe():
 def test_gpu_bench_rows_on_the_cpu(tmp_path):
     """``examples.lm.gpu_bench`` (run on a GPU with ``--device cuda``) on the CPU: every row of
     both systems trains from the same weights (first losses equal), ours' and transformers'
-    float32 logits agree, the planner's column is filled; a bad method is refused by name."""
+    float32 logits agree, the planner's column is filled, ``--profile`` writes an op table per row;
+    a bad method is refused by name."""
     from examples.lm import gpu_bench
 
     out = tmp_path / "gpu.json"
     rc = gpu_bench.main(["--shape", "tiny-llama", "--batch", "2", "--block", "16", "--steps", "1", "--device", "cpu",
-                         "--precision", "fp32", "--methods", "full,lora-gc,qlora", "--check-logits", "--json", str(out)])  # fmt: skip
+                         "--precision", "fp32", "--methods", "full,lora-gc,qlora", "--check-logits", "--json", str(out),
+                         "--profile", str(tmp_path / "prof")])  # fmt: skip
     result = json.loads(out.read_text())
     assert rc == 0, result["table"]
+    assert result["settings"]["profile"] == str(tmp_path / "prof")  # one op table per row
+    assert "aten::mm" in (tmp_path / "prof" / "ours-torch_lora-gc.txt").read_text()
+    assert len(list((tmp_path / "prof").glob("*.txt"))) == 6
     logits = result["logits"]  # LoRA, and QLoRA: ours' NF4 base against bitsandbytes' Linear4bit
     # bitsandbytes' own CPU dequantization is wrong at tiny-llama's widths on AVX512 CPUs
     # (bench_systems.bnb_dequantize_exact): there the QLoRA comparisons have no reference
@@ -187,3 +192,29 @@ def test_gpu_bench_rows_on_the_cpu(tmp_path):
     assert "ours-torch / hf-peft qlora: tok/s" in result["table"]
     with pytest.raises(SystemExit):
         gpu_bench.main(["--methods", "lora-z2", "--device", "cpu"])
+
+
+@pytest.mark.gpu
+def test_cuda_gpu_bench_parity(tmp_path):
+    """On a GPU: ``examples.lm.gpu_bench`` on tiny-llama, every method row of both systems,
+    bf16 autocast; float32 logits of ours vs transformers on CUDA <= 1e-5 x scale, for LoRA and
+    for QLoRA (ours' NF4 base against bitsandbytes' CUDA ``Linear4bit``), first losses equal up to
+    bf16 rounding, and each row's peak GPU memory and plan filled in."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from examples.lm import gpu_bench
+
+    out = tmp_path / "gpu.json"
+    rc = gpu_bench.main(["--shape", "tiny-llama", "--batch", "2", "--block", "32", "--steps", "2", "--device", "cuda",
+                         "--methods", ",".join(gpu_bench.METHODS), "--check-logits", "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert rc == 0, result["table"]
+    assert result["logits"]["logits_rel_err"] < 1e-5 and result["logits"]["qlora_logits_rel_err"] < 1e-5, result["logits"]
+    rows = {(r["system"], r["method"]): r for r in result["rows"]}
+    for (system, method), r in rows.items():
+        assert r["peak_alloc_mb"] > 0 and r["plan_mb"] > 0, (system, method, r)
+    for method in gpu_bench.METHODS:
+        ours, hf = rows[("ours-torch", method)]["loss"][0], rows[("hf-peft", method)]["loss"][0]
+        assert abs(ours - hf) <= 1e-2 * abs(hf), (method, ours, hf)

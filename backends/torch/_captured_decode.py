@@ -7,7 +7,7 @@ buffers of ``max_new_tokens`` slots, reordered in place and written at the step'
 Every tensor a step reads or writes then keeps its shape and address for the whole batch,
 and for every batch of the same shape. On CUDA, :class:`StaticDecoder` records the step
 (embedding, every layer, the head) once per shape as a ``torch.cuda.CUDAGraph``
-(:class:`CUDAGraphRecorder`) and replays it: one launch per step instead of some 15 per
+(:class:`CUDAGraphRecorder`) and replays it (GPT-2 and the Llama family): one launch per step instead of some 15 per
 layer. On a CPU, where there is nothing to capture, the same step runs op by op (the tests
 run it there against the growing cache, and drive the record/replay logic with a stand-in
 recorder of the same contract).
@@ -24,7 +24,7 @@ import torch
 
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import MASK_VALUE
-from lora_core.generate.static_cache import check_room, prompt_capacity, prompt_layout
+from lora_core.generate.static_cache import check_room, context_limit, kv_layout, prompt_capacity, prompt_layout
 
 from .gpt2 import attend_shared_prompt
 from .precision import DTYPES
@@ -35,12 +35,12 @@ class StaticKVCache:
     ``slots`` generated slots) and the step's fixed inputs; ``load`` fills them for a batch."""
 
     def __init__(self, model, B: int, repeats: int, capacity: int, slots: int):
-        cfg, p = model.config, next(model.parameters())
-        nh, hs, R = cfg.n_head, cfg.n_embd // cfg.n_head, B * repeats
+        p = next(model.parameters())
+        (layers, nh, hs), R = kv_layout(model.config), B * repeats
         zeros = lambda *shape: torch.zeros(shape, dtype=p.dtype, device=p.device)  # noqa: E731
         self.repeats, self.capacity, self.slots = repeats, capacity, slots
-        self.prompt = [(zeros(B, nh, capacity, hs), zeros(B, nh, capacity, hs)) for _ in range(cfg.n_layer)]
-        self.generated = [(zeros(R, nh, slots, hs), zeros(R, nh, slots, hs)) for _ in range(cfg.n_layer)]
+        self.prompt = [(zeros(B, nh, capacity, hs), zeros(B, nh, capacity, hs)) for _ in range(layers)]
+        self.generated = [(zeros(R, nh, slots, hs), zeros(R, nh, slots, hs)) for _ in range(layers)]
         self.prompt_bias = zeros(R, 1, 1, capacity)
         self.slot_index = torch.arange(slots, device=p.device)
         self.first = torch.zeros((R, 1), dtype=torch.int64, device=p.device)  # position of generated slot 0
@@ -70,8 +70,8 @@ class StaticKVCache:
         """Row ``j`` continues old row ``rows[j]`` (applied in place by the next step)."""
         self.pending = compose_rows(self.pending, rows, self.repeats)
 
-    def set_inputs(self, tokens: np.ndarray, n_positions: int) -> None:
-        check_room(self.P, self.s, n_positions)
+    def set_inputs(self, tokens: np.ndarray, n_positions: int, name: str = "n_positions") -> None:
+        check_room(self.P, self.s, n_positions, name)
         if self.s >= self.slots:
             raise ValueError(f"beam search: step {self.s} past the cache's {self.slots} generated slots")
         rows = np.arange(len(tokens)) if self.pending is None else self.pending
@@ -124,7 +124,7 @@ class StaticDecoder:
     def step(self, cache: StaticKVCache, tokens: np.ndarray) -> torch.Tensor:
         """Next-token logits (R, V), float32, after the rows' new ``tokens`` (R,). On CUDA the
         tensor is the captured graph's output, overwritten by the next step of that shape."""
-        cache.set_inputs(tokens, self.model.config.n_positions)
+        cache.set_inputs(tokens, *context_limit(self.model.config))
         if self.recorder is None:
             out = self._run(cache)
         else:
@@ -150,13 +150,21 @@ class StaticDecoder:
 
     @torch.no_grad()
     def _run(self, cache: StaticKVCache) -> torch.Tensor:
-        m = cache.step_index
+        pos = cache.first + cache.step_index  # each row's position: read on the device
         model = self.model
         with self._autocast():
-            x = model.wte(cache.tokens) + model.wpe(cache.first + m)
-            for i, block in enumerate(model.h):
-                x, _ = block(x, (cache, i), None)
-            return model.lm_logits(model.ln_f(x)[:, -1]).float()
+            if hasattr(model, "wte"):  # GPT-2
+                x = model.wte(cache.tokens) + model.wpe(pos)
+                for i, block in enumerate(model.h):
+                    x, _ = block(x, (cache, i), None)
+                return model.lm_logits(model.ln_f(x)[:, -1]).float()
+            # the Llama family: RoPE looked up at each row's position, the table sized for the
+            # shape's last slot (grown, if at all, by the warm-up runs, before the recording)
+            rope = model.rope(pos, cache.capacity + cache.slots)
+            x = model.model.embed_tokens(cache.tokens)
+            for i, layer in enumerate(model.model.layers):
+                x, _ = layer(x, rope, (cache, i), None)
+            return model.lm_logits(model.model.norm(x)[:, -1]).float()
 
     def _capture(self, cache: StaticKVCache) -> tuple[Callable[[], object], torch.Tensor]:
         """Record the step for ``cache``'s shape: always at a batch's first step, where the

@@ -100,11 +100,13 @@ class LlamaAttention(nn.Module):
 
     def _grouped(self, attend, q, bias):
         """``attend`` with each key/value head's ``groups`` query heads as extra query rows:
-        q (B, nh, T, D) -> (B, nkv, groups * T, D), the mask repeated to match."""
+        q (B, nh, T, D) -> (B, nkv, groups * T, D), the mask repeated to match (none: the
+        preallocated cache of a captured decode step, which keeps its own)."""
         if self.groups == 1:
             return attend(q, bias)
         B, _, T, D = q.shape
-        y = attend(q.reshape(B, self.nkv, self.groups * T, D), bias.repeat(1, 1, self.groups, 1))
+        bias = None if bias is None else bias.repeat(1, 1, self.groups, 1)
+        y = attend(q.reshape(B, self.nkv, self.groups * T, D), bias)
         return y.reshape(B, self.nh, T, D)
 
 

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown method or system {bad}; methods: {', '.join(METHODS)}; systems: {', '.join(SYSTEMS)}")
     cfg = shape_config(args.shape, args.layers, args.vocab)
-    result = {"settings": vars(args) | {"json": str(args.json)}, "env": env_info(args.device), "rows": []}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result = {"settings": settings, "env": env_info(args.device), "rows": []}
     with tempfile.TemporaryDirectory(prefix="lm_gpu_bench_") as d:
         t0 = time.perf_counter()
         files = write_inputs(cfg, Path(d))

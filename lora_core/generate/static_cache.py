@@ -3,7 +3,7 @@ a backend can capture once and replay, e.g. as a CUDA graph). Imports neither to
 
 The cache of one batch (``B`` inputs, ``repeats`` beams each, ``R = B * repeats`` rows):
 
-- the prompt part, once per input (B, n_head, ``prompt_capacity(P)``, head_size): the
+- the prompt part, once per input (B, n_head (a Llama's key/value heads), ``prompt_capacity(P)``, head_size): the
   left-padded prompt of ``P`` positions, then empty positions up to a multiple of
   ``PROMPT_MULTIPLE`` (so that batches of nearby prompt lengths share one shape);
 - the generated part, per row (R, n_head, ``max_new_tokens``, head_size): generated step
@@ -23,8 +23,8 @@ import numpy as np
 
 from .masks import MASK_VALUE
 
-__all__ = ["DECODE_STEPS", "PROMPT_MULTIPLE", "check_room", "decode_step_captured", "prompt_capacity",
-           "prompt_layout"]
+__all__ = ["DECODE_STEPS", "PROMPT_MULTIPLE", "check_room", "context_limit", "decode_step_captured", "kv_layout",
+           "prompt_capacity", "prompt_layout"]
 
 DECODE_STEPS = ("auto", "eager", "captured")
 PROMPT_MULTIPLE = 32
@@ -67,8 +67,29 @@ def prompt_layout(mask: np.ndarray, repeats: int, capacity: int) -> tuple[np.nda
     return bias, first
 
 
-def check_room(P: int, step: int, n_positions: int) -> None:
+def kv_layout(cfg) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of a decoder's cache: GPT-2's config, or a Llama
+    family's (grouped-query attention: ``num_key_value_heads`` heads of ``head_dim``)."""
+    if hasattr(cfg, "num_key_value_heads"):
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+
+
+def context_limit(cfg) -> tuple[int, str]:
+    """The longest sequence a decoder attends over, and the config field that sets it (the
+    growing cache's bound: GPT-2's ``n_positions``; a Llama family's ``max_position_embeddings``,
+    or its ``sliding_window`` where that is shorter, as ``models.llama.check_length`` refuses)."""
+    if hasattr(cfg, "max_position_embeddings"):
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and window < cfg.max_position_embeddings:
+            return window, "sliding_window"
+        return cfg.max_position_embeddings, "max_position_embeddings"
+    return cfg.n_positions, "n_positions"
+
+
+def check_room(P: int, step: int, n_positions: int, name: str = "n_positions") -> None:
     """The growing cache's bound, kept by the preallocated one: generated step ``step`` (0-based)
-    after a left-padded prompt of ``P`` positions needs ``P + step + 1 <= n_positions``."""
+    after a left-padded prompt of ``P`` positions needs ``P + step + 1 <= n_positions`` (the
+    config field ``name``)."""
     if P + step + 1 > n_positions:
-        raise ValueError(f"sequence of {P + step + 1} tokens exceeds n_positions={n_positions}")
+        raise ValueError(f"sequence of {P + step + 1} tokens exceeds {name}={n_positions}")
