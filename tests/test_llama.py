@@ -180,24 +180,31 @@ def test_lora_gradients_match_peft(backend, checkpoints, kind):
     vals = {n: (rng.normal(0, 0.2, p.shape) if "lora_B" in n else to_numpy(p)).astype(np.float32)
             for n, p in backend.trainable_parameters(model).items()}
     model.load_partial(vals)
-    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJ)))
+    batch = _lm_batch()
+    loss = backend.lm_loss(model, batch)
+    grads = _grads(backend, model, loss)
+    ref_loss, ref_grads = _peft_loss_and_grads(copy.deepcopy(hf), vals, batch)
+    assert_close(f"llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss, 1e-6)
+    assert set(grads) == set(ref_grads)
+    worst = max(assert_close(f"llama LoRA grad vs peft ({kind})", grads[n], ref_grads[n], 1e-5) for n in grads)
+    assert worst <= 1e-5
+
+
+def _peft_loss_and_grads(hf, vals: dict, batch: dict, device: str = "cpu"):
+    """peft LoRA (r=4, alpha 8, the seven projections) on ``hf`` (a transformers model on
+    ``device``) with our LoRA values ``vals``: the loss on ``batch`` and every LoRA gradient by
+    our names."""
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJ)))
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_" in n:
                 p.copy_(torch.from_numpy(vals[_ours(n)]))
-    batch = _lm_batch()
-    loss = backend.lm_loss(model, batch)
-    grads = _grads(backend, model, loss)
     pm.train()
-    logits = pm(torch.from_numpy(batch["input_ids"])).logits.reshape(-1, V)
-    ref_loss = torch.nn.functional.cross_entropy(logits[torch.from_numpy(batch["loss_index"])],
-                                                 torch.from_numpy(batch["targets"]))
+    t = {k: torch.from_numpy(batch[k]).to(device) for k in ("input_ids", "loss_index", "targets")}
+    logits = pm(t["input_ids"]).logits.reshape(-1, V)
+    ref_loss = torch.nn.functional.cross_entropy(logits[t["loss_index"]], t["targets"])
     ref_loss.backward()
-    assert_close(f"llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss.item(), 1e-6)
-    ref_grads = {_ours(n): p.grad for n, p in pm.named_parameters() if p.requires_grad}
-    assert set(grads) == set(ref_grads)
-    worst = max(assert_close(f"llama LoRA grad vs peft ({kind})", grads[n], ref_grads[n], 1e-5) for n in grads)
-    assert worst <= 1e-5
+    return ref_loss.item(), {_ours(n): to_numpy(p.grad) for n, p in pm.named_parameters() if p.requires_grad}
 
 
 def _ours(peft_name: str) -> str:
@@ -442,22 +449,12 @@ def test_cuda_matches_transformers(checkpoints, kind):
             for n, p in bt.trainable_parameters(model).items()}
     model.load_partial(vals)
     model.train()
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJ)))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.from_numpy(vals[_ours(n)]))
     batch = _lm_batch()
     loss = bt.lm_loss(model, batch)
     loss.backward()
     grads = {n: to_numpy(p.grad) for n, p in bt.trainable_parameters(model).items()}
-    pm.train()
-    logits = pm(torch.from_numpy(batch["input_ids"]).cuda()).logits.reshape(-1, V)
-    ref_loss = torch.nn.functional.cross_entropy(logits[torch.from_numpy(batch["loss_index"]).cuda()],
-                                                 torch.from_numpy(batch["targets"]).cuda())
-    ref_loss.backward()
-    assert_close(f"CUDA llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss.item(), 1e-5)
-    ref_grads = {_ours(n): to_numpy(p.grad) for n, p in pm.named_parameters() if p.requires_grad}
+    ref_loss, ref_grads = _peft_loss_and_grads(hf, vals, batch, "cuda")
+    assert_close(f"CUDA llama LoRA loss vs peft ({kind})", float(to_numpy(loss)), ref_loss, 1e-5)
     assert set(grads) == set(ref_grads)
     for n in grads:
         assert_close(f"CUDA llama LoRA grad vs peft ({kind}) {n}", grads[n], ref_grads[n], 1e-5)
