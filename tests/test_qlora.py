@@ -166,6 +166,49 @@ def test_torch_code_tables_go_to_a_device_once():
     assert tq._table(tq._NF4, torch.device("cpu")) is tq._NF4
 
 
+def test_torch_device_path_dequantizes_into_the_compute_dtype_with_one_quant_state(monkeypatch):
+    """The path a GPU takes (bitsandbytes' ``dequantize_4bit``; driven here on the CPU with the
+    host kernel turned off): under bf16 autocast each product's weight comes out in bf16, the
+    bits autocast's own cast of the float32 weight gives (outputs and input gradients equal to
+    the float32 weight's under autocast); the layer's ``QuantState`` is made once per device and
+    dtype, not per product, and again once its buffers are replaced."""
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    import torch
+
+    from backends.torch import quant as tq
+    from lora_core.quant.nf4 import quantize_nf4
+
+    rng = np.random.default_rng(5)
+    layer = tq.LoRALinear4bit(quantize_nf4(rng.normal(0, 0.05, (192, 128)).astype(np.float32), 64, True))
+    w = tq.dequantize(layer.packed, layer.absmax, layer.nested_absmax, layer.offset, layer.shape, 64, 256)
+    x = torch.from_numpy(rng.normal(size=(6, 128)).astype(np.float32))
+    gy = torch.from_numpy(rng.normal(size=(6, 192)).astype(np.float32)).bfloat16()
+
+    def run(fn):
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xr)
+        (g,) = torch.autograd.grad(y, xr, gy)
+        return y, g
+
+    y_ref, g_ref = run(lambda t: torch.nn.functional.linear(t, w))
+    monkeypatch.setattr(tq, "_ON_HOST", False)
+    dtypes = []
+    real = bnb_f.dequantize_4bit
+    monkeypatch.setattr(bnb_f, "dequantize_4bit", lambda A, qs: dtypes.append(qs.dtype) or real(A, qs))
+    y, g = run(layer)
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # forward and backward, no float32 copy
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref) and torch.equal(g, g_ref)
+    states = dict(layer._quant_states)
+    run(layer)
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, w)
+    assert len(states) == 1 and all(layer._quant_states[k] is v for k, v in states.items())
+    assert set(layer._quant_states) == {("cpu", torch.bfloat16), ("cpu", torch.float32)}
+    layer.absmax = layer.absmax.clone()  # replaced (as moving the layer replaces it): made again
+    run(layer)
+    assert layer._quant_states[("cpu", torch.bfloat16)] is not states[("cpu", torch.bfloat16)]
+
+
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_torch_products_dequantize_rows_into_one_shared_buffer_bit_identically(double_quant, monkeypatch):
     """A 4-bit product dequantizes its weight a few rows at a time (at most ``CHUNK_BYTES``) into

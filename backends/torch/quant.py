@@ -51,15 +51,19 @@ def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blo
 _BNB = []  # bitsandbytes.functional once imported, or None where it is not installed
 
 
-def _bnb_dequantize(layer) -> torch.Tensor | None:
-    """The layer's float32 weight (a fresh tensor) by bitsandbytes' kernels: on the CPU its native
-    NF4 kernel, loaded by itself (``_bnb_cpu_lib``: the package is not imported), elsewhere (CUDA)
-    its ``dequantize_4bit``; bit-identical to ``dequantize`` here, measured 23x faster for a
-    2816 x 1024 weight. None without bitsandbytes or where a block spans two rows (rows not a
-    multiple of the block: 0.50.2's CPU kernel scales such a block by another block's absmax)."""
+def _bnb_dequantize(layer, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The layer's weight (a fresh tensor) by bitsandbytes' kernels: on the CPU its native
+    NF4 kernel, loaded by itself (``_bnb_cpu_lib``: the package is not imported), float32;
+    elsewhere (CUDA) its ``dequantize_4bit`` straight into ``dtype`` (float32, or the 16-bit
+    dtype a product under autocast computes in: the float32 value rounded once, as ``.to(dtype)``
+    rounds it, without a float32 copy to write and cast), with the layer's ``QuantState`` made
+    once per device and dtype (:func:`_quant_state`); bit-identical to ``dequantize`` here,
+    measured 23x faster for a 2816 x 1024 weight. None without bitsandbytes or where a block
+    spans two rows (rows not a multiple of the block: 0.50.2's CPU kernel scales such a block
+    by another block's absmax)."""
     if layer.shape[-1] % layer.blocksize:
         return None
-    if layer.packed.device.type == "cpu":
+    if _ON_HOST and layer.packed.device.type == "cpu":
         absmax = _absmax_for_kernel(layer)
         if absmax is None:
             return None
@@ -69,15 +73,37 @@ def _bnb_dequantize(layer) -> torch.Tensor | None:
     bnb_f = _import_bnb()
     if bnb_f is None:
         return None
+    return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), _quant_state(layer, bnb_f, dtype))
+
+
+_ON_HOST = True  # CPU layers take the native kernel (tests turn it off to drive the device path on the CPU)
+
+
+def _quant_state(layer, bnb_f, dtype: torch.dtype):
+    """bitsandbytes' ``QuantState`` of ``layer`` with output ``dtype``, kept on the layer per
+    device and dtype (made again only when its buffers were replaced, e.g. moved): not two new
+    objects and two table lookups per product (on a GPU each product's Python time is time the
+    device may wait for)."""
+    key = (str(layer.packed.device), dtype)
+    qs = layer._quant_states.get(key)
+    if qs is not None and qs.absmax is layer.absmax and (qs.state2 is None or qs.state2.absmax is layer.nested_absmax):
+        return qs
     dev = layer.packed.device
     nested = None
     if layer.nested_absmax is not None:
         nested = bnb_f.QuantState(absmax=layer.nested_absmax, code=_table(_DYN, dev), blocksize=layer.nested_blocksize,
                                   dtype=torch.float32)
     qs = bnb_f.QuantState(absmax=layer.absmax, shape=torch.Size(layer.shape), code=_table(_NF4, dev),
-                          blocksize=layer.blocksize, quant_type="nf4", dtype=torch.float32, offset=layer.offset,
-                          state2=nested)
-    return bnb_f.dequantize_4bit(layer.packed.view(-1, 1), qs)
+                          blocksize=layer.blocksize, quant_type="nf4", dtype=dtype, offset=layer.offset, state2=nested)
+    layer._quant_states[key] = qs
+    return qs
+
+
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product with ``x`` computes in: autocast's where it is on for ``x``'s device
+    (the weight handed over in it is what autocast's own cast would make), else ``x``'s."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 CHUNK_BYTES = 16 << 20  # a product dequantizes at most this much of its weight at a time
@@ -98,7 +124,7 @@ def _absmax_for_kernel(layer) -> torch.Tensor | None:
     another block's absmax)."""
     lib = _bnb_cpu_lib()
     cols = layer.shape[-1]
-    if lib is None or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2 or layer.blocksize >= 2048:
+    if lib is None or not _ON_HOST or layer.packed.device.type != "cpu" or cols % layer.blocksize or cols % 2 or layer.blocksize >= 2048:
         return None
     if layer.nested_absmax is None:
         return layer.absmax.float().contiguous()
@@ -181,7 +207,7 @@ class _Matmul4bit(torch.autograd.Function):
         ctx.layer = layer
         absmax = _absmax_for_kernel(layer) if x.dtype == layer.compute_dtype == torch.float32 else None
         if absmax is None:
-            return F.linear(x, layer.dequantized(x.dtype))
+            return F.linear(x, layer.dequantized(_product_dtype(x)))
         blocks = _row_blocks(layer)
         if len(blocks) == 1:
             return F.linear(x, _dequantize_rows(layer, absmax, *blocks[0]))
@@ -225,6 +251,7 @@ class LoRALinear4bit(LoRALinear):
         nested = None if not state.nested else torch.from_numpy(np.ascontiguousarray(state.nested_absmax))
         self.register_buffer("nested_absmax", nested)
         self.register_buffer("offset", None if not state.nested else torch.tensor(float(state.offset)))
+        self._quant_states: dict = {}  # (device, dtype) -> bitsandbytes' QuantState (_quant_state)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -232,11 +259,16 @@ class LoRALinear4bit(LoRALinear):
         return self.dequantized(torch.float32)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
-        w = _bnb_dequantize(self)
+        """The weight in ``dtype``, rounded to the compute dtype on the way (as bitsandbytes'
+        ``Linear4bit`` computes): float32 -> compute dtype -> ``dtype``; bitsandbytes' device
+        kernel writes the first rounding's dtype directly."""
+        w = _bnb_dequantize(self, dtype if self.compute_dtype == torch.float32 else self.compute_dtype)
         if w is None:
             w = dequantize(self.packed, self.absmax, self.nested_absmax, self.offset, self.shape, self.blocksize,
                            self.nested_blocksize)
-        return w.to(self.compute_dtype).to(dtype)
+        if w.dtype == torch.float32:
+            w = w.to(self.compute_dtype)
+        return w.to(dtype)
 
     def add_lora(self, r: int, scaling: float, dropout: float, values, enable=None) -> None:
         """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer; with ``enable``
