@@ -177,3 +177,32 @@ def test_train_refuses_bad_folders_and_files_in_one_line(prepared, tmp_path, cap
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+@pytest.mark.gpu
+def test_cuda_train_evaluate_generate_match_the_cpu(prepared):
+    """On a GPU (torch), the commands with ``--device cuda`` against the same with ``--device
+    cpu``: the training loss curve (LoRA, and QLoRA on bitsandbytes' CUDA kernels) within 1e-4
+    relative, the evaluation's perplexity too, and the same greedy and 3-beam continuations (on
+    the GPU through the captured decode step, its default there)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    root, out = prepared
+    curves, nll, text = {}, {}, {}
+    for dev in ("cpu", "cuda"):
+        _train("torch", root, out, f"dev-{dev}", "--device", dev, "--save-base")
+        _train("torch", root, out, f"dev-{dev}-nf4", "--device", dev, "--quantize", "nf4")
+        curves[dev] = (_losses(root / f"dev-{dev}"), _losses(root / f"dev-{dev}-nf4"))
+        run = root / f"dev-{dev}"
+        _run("examples.lm.evaluate", "--backend", "torch", "--base", run / "base", "--adapter", run, "--prepared", out,
+             "--device", dev, "--json", root / f"eval-{dev}.json")
+        nll[dev] = json.loads((root / f"eval-{dev}.json").read_text())["nll"]
+        tok = json.loads((out / "meta.json").read_text())["tokenizer"]
+        text[dev] = [_run("examples.lm.generate", "--backend", "torch", "--base", run / "base", "--adapter", run / "ckpt-6",
+                          "--tokenizer", tok, "--prompt", "The restaurant", "--prompt", "It is", "--max-new-tokens", 8,
+                          "--beam", beam, "--device", dev).stdout for beam in (1, 3)]
+    for cpu, gpu in zip(curves["cpu"], curves["cuda"]):
+        assert len(gpu) == len(cpu) == 6 and np.abs(np.array(gpu) - cpu).max() <= 1e-4 * max(map(abs, cpu)), (cpu, gpu)
+    assert abs(nll["cuda"] - nll["cpu"]) <= 1e-4 * nll["cpu"]
+    assert text["cuda"] == text["cpu"] and text["cpu"][0].startswith("The restaurant")
