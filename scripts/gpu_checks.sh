@@ -50,7 +50,7 @@ for s in $steps; do
   case $s in
     tests)
       # only the modules that hold GPU-marked tests: collecting the whole suite took most of 126 s
-      run pytest-gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
+      run pytest-gpu 240 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
     nlg)
       for cfg in "8 fp32" "8 bf16" "32 bf16"; do
         set -- $cfg
