@@ -147,6 +147,26 @@ def test_ours_saves_what_transformers_saves(backend, ckpts, kind, tmp_path):
     assert [k for k in mine if not torch.equal(mine[k], ref[k])] == []  # codes, 8-bit scales, offsets
 
 
+@pytest.mark.gpu
+def test_cuda_4bit_model_saves_the_same_checkpoint(ckpts, tmp_path):
+    """torch on a GPU: a 4-bit model moved to CUDA gives transformers + bitsandbytes' logits
+    there, and saves the bytes it was loaded from."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    bt = lc.get_backend("torch")
+    _, d4 = ckpts["llama"]
+    model = bt.from_pretrained(d4)
+    bt.to_device(model, "cuda")
+    bt.save_quantized(model, tmp_path / "ours")
+    ref, ours = st.load_file(str(d4 / "model.safetensors")), st.load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert set(ours) == set(ref) and [k for k in ours if not torch.equal(ours[k], ref[k])] == []
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d4, quantization_config=_bnb_config(), device_map="cuda").eval()
+    ids = torch.from_numpy(_ids()).cuda()
+    with torch.no_grad():
+        assert_close("CUDA bnb 4-bit checkpoint: logits vs transformers+bitsandbytes", model(ids)[0].float().cpu(),
+                     hf(ids).logits.float().cpu(), 1e-5)
+
+
 def _peft_adapter(kind, d4, out):
     hf = _load_4bit(d4)
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.0))

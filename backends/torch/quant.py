@@ -351,9 +351,11 @@ def save_quantized(model, folder) -> None:
 
 
 def _state_of(m: LoRALinear4bit) -> NF4State:
-    st = NF4State(m.packed.numpy(), m.absmax.numpy(), m.shape, m.blocksize, m.quant_dtype)
+    """The layer's NF4 state as numpy arrays, from whatever device it is on."""
+    host = lambda t: t.detach().cpu().numpy()  # noqa: E731
+    st = NF4State(host(m.packed), host(m.absmax), m.shape, m.blocksize, m.quant_dtype)
     if m.nested_absmax is not None:
-        st.nested_absmax, st.offset = m.nested_absmax.numpy(), np.float32(m.offset.item())
+        st.nested_absmax, st.offset = host(m.nested_absmax), np.float32(m.offset.item())
         st.nested_blocksize = m.nested_blocksize
     return st
 
