@@ -90,3 +90,30 @@ def test_kv_cache_refuses_a_reorder_across_inputs(backend):
     cache = backend.KVCache(m(ids, attention_mask=mask)[1], 2)
     with pytest.raises(ValueError, match="its own input"):
         cache.reorder(np.array([0, 2, 2, 3, 4, 5]))  # row 1 (input 0) would continue row 2 (input 1)
+
+
+def test_torch_few_row_products_are_exact_and_row_major():
+    """torch's decoding product for 2-3 input rows on the CPU runs as W x^T (``FEW_ROWS``):
+    F.linear's values (1e-6 x scale) for 1 to 5 rows, with and without bias and GELU, and a
+    row-major output (a transposed one makes the next product's input the layout MKL runs at
+    a third of the speed)."""
+    import torch
+    import torch.nn.functional as F
+
+    from backends.torch.lora import FEW_ROWS, linear_decode, pack_weight
+
+    assert FEW_ROWS == (2, 3)
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(rng.normal(0, 0.05, (48, 40)).astype(np.float32))
+    b = torch.from_numpy(rng.normal(0, 0.05, 48).astype(np.float32))
+    packed = pack_weight(w, 2)
+    assert packed[0] == "plain"
+    for rows in range(1, 6):
+        x = torch.from_numpy(rng.normal(size=(rows, 1, 40)).astype(np.float32))
+        for bias in (None, b):
+            for gelu in (False, True):
+                y = linear_decode(x, packed, bias, gelu)
+                ref = F.linear(x, w, bias)
+                ref = F.gelu(ref, approximate="tanh") if gelu else ref
+                assert y.shape == ref.shape and y.is_contiguous(), (rows, y.stride())
+                assert_close(f"few-row product, {rows} rows", y, ref, 1e-6)
