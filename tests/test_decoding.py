@@ -117,3 +117,32 @@ def test_torch_few_row_products_are_exact_and_row_major():
                 ref = F.gelu(ref, approximate="tanh") if gelu else ref
                 assert y.shape == ref.shape and y.is_contiguous(), (rows, y.stride())
                 assert_close(f"few-row product, {rows} rows", y, ref, 1e-6)
+
+
+def test_decoding_products_for_few_and_many_rows(backend):
+    """``pack_weight`` + ``linear_decode`` in both backends, for the few rows of greedy decoding
+    (a rows hint of 2: torch's plain weight run as W x^T at 2-3 rows, jittor's (out, in) weight
+    as x W^T) and the many of beam search (80: oneDNN's packed weight, jittor's (in, out) copy):
+    x W^T + b for 1 to 5 and 64 input rows (the prompt's), 1e-6 x scale."""
+    import importlib
+
+    lora = importlib.import_module(f"backends.{backend.NAME}.lora")
+    rng = np.random.default_rng(4)
+    w_np = rng.normal(0, 0.05, (48, 40)).astype(np.float32)
+    b_np = rng.normal(0, 0.05, 48).astype(np.float32)
+    if backend.NAME == "torch":
+        import torch as fw
+
+        make = fw.from_numpy
+    else:
+        import jittor as fw
+
+        make = fw.array
+    for hint in (2, 80):
+        packed = lora.pack_weight(make(w_np), hint)
+        for rows in (1, 2, 3, 4, 5, 64):
+            x = rng.normal(size=(rows, 1, 40)).astype(np.float32)
+            for bias in (None, b_np):
+                y = lora.linear_decode(make(x), packed, None if bias is None else make(bias))
+                ref = x @ w_np.T + (0 if bias is None else bias)
+                assert_close(f"decoding product ({backend.NAME}, rows hint {hint}, {rows} rows)", y, ref, 1e-6)
