@@ -259,7 +259,7 @@ def test_captured_step_traces_as_one_graph(tiny):
     traced = torch.compile(static._run, backend=count, fullgraph=True)
     with torch.no_grad():
         cache = static.start(m(ids, attention_mask=mask)[1], 2, mask)
-        cache.set_inputs(np.array([1, 2, 3, 4]), cfg.n_positions)
+        cache.set_inputs(np.array([1, 2, 3, 4]), cfg)
         for packed in (False, True):
             with m.decoding(rows=4) if packed else contextlib.nullcontext():
                 assert torch.equal(traced(cache), static._run(cache))

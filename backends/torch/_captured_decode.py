@@ -24,7 +24,7 @@ import torch
 
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import MASK_VALUE
-from lora_core.generate.static_cache import check_room, context_limit, kv_layout, prompt_capacity, prompt_layout
+from lora_core.generate.static_cache import check_room, kv_layout, prompt_capacity, prompt_layout
 
 from .gpt2 import attend_shared_prompt
 from .precision import DTYPES
@@ -70,8 +70,8 @@ class StaticKVCache:
         """Row ``j`` continues old row ``rows[j]`` (applied in place by the next step)."""
         self.pending = compose_rows(self.pending, rows, self.repeats)
 
-    def set_inputs(self, tokens: np.ndarray, n_positions: int, name: str = "n_positions") -> None:
-        check_room(self.P, self.s, n_positions, name)
+    def set_inputs(self, tokens: np.ndarray, cfg) -> None:
+        check_room(self.P, self.s, cfg)
         if self.s >= self.slots:
             raise ValueError(f"beam search: step {self.s} past the cache's {self.slots} generated slots")
         rows = np.arange(len(tokens)) if self.pending is None else self.pending
@@ -124,7 +124,7 @@ class StaticDecoder:
     def step(self, cache: StaticKVCache, tokens: np.ndarray) -> torch.Tensor:
         """Next-token logits (R, V), float32, after the rows' new ``tokens`` (R,). On CUDA the
         tensor is the captured graph's output, overwritten by the next step of that shape."""
-        cache.set_inputs(tokens, *context_limit(self.model.config))
+        cache.set_inputs(tokens, self.model.config)
         if self.recorder is None:
             out = self._run(cache)
         else:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..models.llama import check_length
 from .masks import MASK_VALUE
 
-__all__ = ["DECODE_STEPS", "PROMPT_MULTIPLE", "check_room", "context_limit", "decode_step_captured", "kv_layout",
+__all__ = ["DECODE_STEPS", "PROMPT_MULTIPLE", "check_room", "decode_step_captured", "kv_layout",
            "prompt_capacity", "prompt_layout"]
 
 DECODE_STEPS = ("auto", "eager", "captured")
@@ -75,21 +76,13 @@ def kv_layout(cfg) -> tuple[int, int, int]:
     return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
 
 
-def context_limit(cfg) -> tuple[int, str]:
-    """The longest sequence a decoder attends over, and the config field that sets it (the
-    growing cache's bound: GPT-2's ``n_positions``; a Llama family's ``max_position_embeddings``,
-    or its ``sliding_window`` where that is shorter, as ``models.llama.check_length`` refuses)."""
-    if hasattr(cfg, "max_position_embeddings"):
-        window = getattr(cfg, "sliding_window", None)
-        if window is not None and window < cfg.max_position_embeddings:
-            return window, "sliding_window"
-        return cfg.max_position_embeddings, "max_position_embeddings"
-    return cfg.n_positions, "n_positions"
-
-
-def check_room(P: int, step: int, n_positions: int, name: str = "n_positions") -> None:
+def check_room(P: int, step: int, cfg) -> None:
     """The growing cache's bound, kept by the preallocated one: generated step ``step`` (0-based)
-    after a left-padded prompt of ``P`` positions needs ``P + step + 1 <= n_positions`` (the
-    config field ``name``)."""
-    if P + step + 1 > n_positions:
-        raise ValueError(f"sequence of {P + step + 1} tokens exceeds {name}={n_positions}")
+    after a left-padded prompt of ``P`` positions makes a sequence of ``P + step + 1`` tokens,
+    refused past GPT-2's ``n_positions``, or where a Llama family's own check refuses it
+    (``models.llama.check_length``: ``max_position_embeddings``, ``sliding_window``)."""
+    total = P + step + 1
+    if hasattr(cfg, "num_key_value_heads"):
+        check_length(cfg, total)
+    elif total > cfg.n_positions:
+        raise ValueError(f"sequence of {total} tokens exceeds n_positions={cfg.n_positions}")
