@@ -56,7 +56,7 @@ class LoRALinear(nn.Module):
         self.lora_dropout = _dropout(dropout)
         self.mask_source = None  # a lora_core.lora.dropout.NumpyDropout in parity mode
         self.merged = False
-        self.decode_weight = None  # set by GPT2LMModel.decoding(): merged weight, (in, out)
+        self.decode_weight = None  # set by decoding(): the merged weight from pack_weight (layout, weight)
         if r:
             self.lora_A = jt.zeros((self._n_slices() * r, in_features))
             self.lora_B = jt.zeros((self._slice_out() * self._n_slices(), r))
@@ -110,31 +110,31 @@ class LoRALinear(nn.Module):
 FEW_ROWS = 3  # at most this many rows per step (greedy decoding of 1-3 sequences): x W^T, see pack_weight
 
 
-def pack_weight(w: jt.Var, rows: int):
-    """A frozen (out, in) weight prepared for ``linear_decode``: a materialised (in, out)
-    copy, the layout in which jittor's oneDNN matmul runs fastest (99 vs 77-83 GFLOP/s at
-    beam-search sizes, one thread). Where ``rows`` (the rows a decoding step will have) is at
-    most ``FEW_ROWS``, the (out, in) weight itself, marked ``"nt"``: every product is then
-    x W^T (``matmul_transpose``), which read the weight at 18-21 GB/s at 2 rows where x (W^T)
-    read it at 10-12 (AMD EPYC, one thread), and no copy is made (the transposed copies of
-    llama-bench's weights took 0.54 s of a 1.7 s greedy call; the prompt's 64-row products
-    run 1.3-1.6x slower this way, 0.1 s)."""
+def pack_weight(w: jt.Var, rows: int) -> tuple[str, jt.Var]:
+    """A frozen (out, in) weight prepared for ``linear_decode``, with its layout's name:
+    ``"in_out"``, a materialised (in, out) copy, the layout in which jittor's oneDNN matmul runs
+    fastest (99 vs 77-83 GFLOP/s at beam-search sizes, one thread); or where ``rows`` (the rows
+    a decoding step will have) is at most ``FEW_ROWS``, ``"out_in"``, the weight itself: every
+    product is then x W^T (``matmul_transpose``), which read the weight at 18-21 GB/s at 2 rows
+    where x (W^T) read it at 10-12 (AMD EPYC, one thread), and no copy is made (the transposed
+    copies of llama-bench's weights took 0.54 s of a 1.7 s greedy call; the prompt's 64-row
+    products run 1.3-1.6x slower this way, 0.1 s)."""
     with jt.no_grad():
         if rows <= FEW_ROWS:
-            return ("nt", w.detach())
+            return "out_in", w.detach()
         packed = w.transpose().clone().stop_grad()
         packed.sync()
-        return packed
+        return "in_out", packed
 
 
-def linear_decode(x: jt.Var, packed, bias: jt.Var | None) -> jt.Var:
+def linear_decode(x: jt.Var, packed: tuple[str, jt.Var], bias: jt.Var | None) -> jt.Var:
     """``x W^T + b`` with a weight from ``pack_weight`` (no autograd)."""
-    if isinstance(packed, tuple):  # ("nt", the (out, in) weight)
-        w = packed[1]
+    layout, w = packed
+    if layout == "out_in":
         rows = x.numel() // x.shape[-1]
         y = jt.nn.matmul_transpose(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     else:
-        y = jt.matmul(x, packed)
+        y = jt.matmul(x, w)
     return y if bias is None else y + bias
 
 
