@@ -92,57 +92,43 @@ def test_kv_cache_refuses_a_reorder_across_inputs(backend):
         cache.reorder(np.array([0, 2, 2, 3, 4, 5]))  # row 1 (input 0) would continue row 2 (input 1)
 
 
-def test_torch_few_row_products_are_exact_and_row_major():
-    """torch's decoding product for 2-3 input rows on the CPU runs as W x^T (``FEW_ROWS``):
-    F.linear's values (1e-6 x scale) for 1 to 5 rows, with and without bias and GELU, and a
-    row-major output (a transposed one makes the next product's input the layout MKL runs at
-    a third of the speed)."""
-    import torch
-    import torch.nn.functional as F
-
-    from backends.torch.lora import FEW_ROWS, linear_decode, pack_weight
-
-    assert FEW_ROWS == (2, 3)
-    rng = np.random.default_rng(3)
-    w = torch.from_numpy(rng.normal(0, 0.05, (48, 40)).astype(np.float32))
-    b = torch.from_numpy(rng.normal(0, 0.05, 48).astype(np.float32))
-    packed = pack_weight(w, 2)
-    assert packed[0] == "plain"
-    for rows in range(1, 6):
-        x = torch.from_numpy(rng.normal(size=(rows, 1, 40)).astype(np.float32))
-        for bias in (None, b):
-            for gelu in (False, True):
-                y = linear_decode(x, packed, bias, gelu)
-                ref = F.linear(x, w, bias)
-                ref = F.gelu(ref, approximate="tanh") if gelu else ref
-                assert y.shape == ref.shape and y.is_contiguous(), (rows, y.stride())
-                assert_close(f"few-row product, {rows} rows", y, ref, 1e-6)
-
-
 def test_decoding_products_for_few_and_many_rows(backend):
     """``pack_weight`` + ``linear_decode`` in both backends, for the few rows of greedy decoding
-    (a rows hint of 2: torch's plain weight run as W x^T at 2-3 rows, jittor's (out, in) weight
-    as x W^T) and the many of beam search (80: oneDNN's packed weight, jittor's (in, out) copy):
-    x W^T + b for 1 to 5 and 64 input rows (the prompt's), 1e-6 x scale."""
+    (a rows hint of 2: torch's plain weight, run as W x^T at 2-3 rows (``FEW_ROWS``); jittor's
+    (out, in) weight as x W^T) and the many of beam search (80: oneDNN's packed weight, jittor's
+    (in, out) copy): x W^T + b for 1 to 5 and 64 input rows (the prompt's), 1e-6 x scale; in
+    torch with and without the fused GELU too, and the output row-major (a transposed one
+    makes the next product's input the layout MKL runs at a third of the speed)."""
     import importlib
 
     lora = importlib.import_module(f"backends.{backend.NAME}.lora")
     rng = np.random.default_rng(4)
     w_np = rng.normal(0, 0.05, (48, 40)).astype(np.float32)
     b_np = rng.normal(0, 0.05, 48).astype(np.float32)
-    if backend.NAME == "torch":
+    torch_ = backend.NAME == "torch"
+    if torch_:
         import torch as fw
+        import torch.nn.functional as F
 
-        make = fw.from_numpy
+        make, gelus = fw.from_numpy, (False, True)
+        assert lora.FEW_ROWS == (2, 3)
     else:
         import jittor as fw
 
-        make = fw.array
+        make, gelus = fw.array, (False,)
+    layouts = {2: ("plain",) if torch_ else ("out_in",), 80: ("plain", "onednn") if torch_ else ("in_out",)}
     for hint in (2, 80):
         packed = lora.pack_weight(make(w_np), hint)
+        assert packed[0] in layouts[hint], (hint, packed[0])
         for rows in (1, 2, 3, 4, 5, 64):
             x = rng.normal(size=(rows, 1, 40)).astype(np.float32)
             for bias in (None, b_np):
-                y = lora.linear_decode(make(x), packed, None if bias is None else make(bias))
-                ref = x @ w_np.T + (0 if bias is None else bias)
-                assert_close(f"decoding product ({backend.NAME}, rows hint {hint}, {rows} rows)", y, ref, 1e-6)
+                for gelu in gelus:
+                    args = (make(x), packed, None if bias is None else make(bias)) + ((gelu,) if torch_ else ())
+                    y = lora.linear_decode(*args)
+                    ref = x @ w_np.T + (0 if bias is None else bias)
+                    if gelu:
+                        ref = F.gelu(fw.from_numpy(ref), approximate="tanh").numpy()
+                    if torch_:
+                        assert tuple(y.shape) == ref.shape and y.is_contiguous(), (hint, rows, y.stride())
+                    assert_close(f"decoding product ({backend.NAME}, rows hint {hint}, {rows} rows)", y, ref, 1e-6)
