@@ -77,12 +77,13 @@ def launcher(engine: str, nproc: int) -> list[str]:
             "-x", "MKL_NUM_THREADS", "-x", "PYTHONPATH", "-np", str(nproc), sys.executable]  # fmt: skip
 
 
-def spawn(module: str, spec: dict, threads: int, launch: list[str] | None = None) -> dict:
+def spawn(module: str, spec: dict, threads: int, launch: list[str] | None = None, env: dict | None = None) -> dict:
     """``python -m module --worker SPEC`` with ``threads`` OpenMP/MKL threads and this
     repository on ``PYTHONPATH``; its result dict with ``wall_s`` added, or ``{"error": ...,
     "wall_s": ...}`` naming the exit and, when the worker said it, the reason. ``launch``: a
-    :func:`launcher` prefix that runs several processes (the result: the last line printed)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    :func:`launcher` prefix that runs several processes (the result: the last line printed);
+    ``env``: the environment to start from (default ``os.environ``)."""
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     t0 = time.perf_counter()
     # under sh, which outlives a worker killed by a signal and exits with 128 + N: a process

@@ -74,6 +74,8 @@ import threading
 import time
 from pathlib import Path
 
+from lora_core.train import allocator
+from lora_core.train.allocator import worker_env
 from lora_core.train.heap import mode as heap_mode
 
 from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
@@ -224,6 +226,7 @@ def run_worker(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     out = (run_train if spec["task"] == "train" else run_decode)(spec, mem)
     out[spec["task"] + "_loadavg_end"] = os.getloadavg()[0]
+    out["allocator"] = allocator.active()  # glibc's malloc or tcmalloc (lora_core.train.allocator)
     if spec.get("rank_dir"):  # one process of a ZeRO row's job: the parent merges the ranks' files
         from lora_core.train.distributed import discover_world
 
@@ -350,13 +353,15 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
                     zero = bench_method(method)[1]
-                    out = spawn_ranks(spec, args.threads, args.ranks) if zero else spawn("examples.lm.bench", spec, args.threads)
+                    env = worker_env(os.environ, system, "gpt2" if is_gpt2(_shape(spec)) else "llama")
+                    out = (spawn_ranks(spec, args.threads, args.ranks, env) if zero
+                           else spawn("examples.lm.bench", spec, args.threads, env=env))  # fmt: skip
                     result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
                 raw[row_key(system, method)].append(result)
     return raw
 
 
-def spawn_ranks(spec: dict, threads: int, ranks: int) -> dict:
+def spawn_ranks(spec: dict, threads: int, ranks: int, env: dict | None = None) -> dict:
     """A ZeRO row: ``ranks`` workers in one job (``torchrun`` for ours-torch and hf-peft,
     ``mpirun`` for ours-jittor), each writing its result to a file; merged by :func:`merge_ranks`,
     or the launcher's error when a rank wrote none."""
@@ -366,7 +371,7 @@ def spawn_ranks(spec: dict, threads: int, ranks: int) -> dict:
             launch = launcher(engine, ranks)
         except RuntimeError as e:
             return {"error": str(e), "wall_s": 0.0}
-        out = spawn("examples.lm.bench", dict(spec, rank_dir=d), threads, launch)
+        out = spawn("examples.lm.bench", dict(spec, rank_dir=d), threads, launch, env)
         per_rank = [json.loads(p.read_text()) for p in sorted(Path(d).glob("rank-*.json"))]
     # the results are the ranks' files; what they print shares the launcher's stdout, where a log
     # line of one rank can run into the other's last line: "printed no result" after a clean exit
@@ -548,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("json", "plot")}
         settings["code"] = version
         settings["malloc_trim"] = heap_mode()  # ours-torch's heap trim (lora_core.train.heap): the planner's too
+        settings["allocator"] = allocator.mode()  # LORA_ALLOCATOR; each row's worker records what it ran (raw "allocator")
         out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip
         args.json.write_text(json.dumps(out, indent=1))
