@@ -5,6 +5,7 @@ same loss curve), resume after a kill, and bad input refused with the file named
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 
 from lora_core.data.text import check_tokenizer_fits, pack_blocks, read_documents
 from lora_core.data.toy import make_toy_dataset
+from lora_core.train import allocator
 
 
 def test_pack_blocks_keeps_every_token_once_in_order():
@@ -50,12 +52,12 @@ def test_read_documents_names_file_and_line(tmp_path):
         check_tokenizer_fits(512, 100)
 
 
-def _run(module, *args, ok=True):
+def _run(module, *args, ok=True, env=None):
     """``python -m module args`` under ``sh``: a child killed by a signal (``--stop-after``) then
     exits through the shell (128 + N), and jittor, once imported in this process, does not
     quit pytest on its SIGCHLD."""
     cmd = ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", module, *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if ok:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -92,10 +94,10 @@ def _vocab(out):
     return json.loads((out / "meta.json").read_text())["vocab_size"]
 
 
-def _train(backend, root, out, name, *extra, ok=True):
+def _train(backend, root, out, name, *extra, ok=True, env=None):
     return _run("examples.lm.train", "--backend", backend, "--recipe", "lm-demo", "--prepared", out,
                 "--random-init", "tiny-llama", "--vocab-size", _vocab(out), "--out-dir", root / name, "--no-progress",
-                "--max-steps", 6, "--set", "train.eval_every=3", "train.save_every=3", "train.log_every=1", *extra, ok=ok)
+                "--max-steps", 6, "--set", "train.eval_every=3", "train.save_every=3", "train.log_every=1", *extra, ok=ok, env=env)
 
 
 def _losses(run_dir):
@@ -115,6 +117,20 @@ def test_train_both_backends_same_curve_and_exact_resume(prepared):
     assert r.returncode == 128 + 9, r.stderr
     _train("torch", root, out, "killed", "--resume")
     assert _losses(root / "killed")[-2:] == lt[-2:]
+
+
+@pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="tcmalloc not installed (apt-get install libtcmalloc-minimal4)")
+def test_train_under_tcmalloc_gives_glibcs_losses(prepared):
+    """The torch Llama run re-executes itself under tcmalloc (``lora_core.train.allocator``) and
+    trains the same, bit for bit, as under glibc's malloc (where it trims the heap: GC)."""
+    root, out = prepared
+    runs = {}
+    for mode in ("auto", "glibc"):
+        env = {k: v for k, v in os.environ.items() if k not in (allocator.RELAUNCHED, "LD_PRELOAD")}
+        r = _train("torch", root, out, f"alloc-{mode}", "--grad-checkpoint", env=dict(env, LORA_ALLOCATOR=mode))
+        assert f"malloc: {'tcmalloc' if mode == 'auto' else 'glibc'}" in r.stderr, r.stderr
+        runs[mode] = _losses(root / f"alloc-{mode}")
+    assert len(runs["auto"]) == 6 and runs["auto"] == runs["glibc"]
 
 
 def test_train_refuses_mismatched_tokenizer_and_long_blocks(prepared):

@@ -110,7 +110,7 @@ def test_heap_keeps_only_tensors_below_the_mmap_ceiling():
     # one (N, V) fp32 tensor: 256 x 8000 x 4 = 7.8 MB (kept by the heap, four of them) or
     # 256 x 128256 x 4 = 125 MB (mmapped by glibc, returned when freed)
     unit = dataclasses.replace(SYSTEMS["ours-torch"], heap=1.0, full_heap=0.0, head_nv_frozen=None)
-    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on")
+    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on", allocator="glibc")
     small, big, tiny = (plan(llama_config("llama-bench", vocab_size=v), c, unit) for v in (8000, 128256, 16))
     assert (small.retained - tiny.retained) * MB == pytest.approx(4 * 256 * (8000 - 16) * 4)
     assert big.retained == pytest.approx(tiny.retained - 4 * 256 * 16 * 4 / MB)
@@ -129,11 +129,11 @@ def test_frozen_head_keeps_one_logits_tensor_from_32_mb():
     cfg = llama_config("llama-bench", vocab_size=128256)
     per_nv = 256 * 128256 * 4 / MB * s.act_scale
     for method, nvs in (("lora", 1), ("full", 3)):
-        c = PlanConfig(method=method, batch=1, seq=256, heap_trim="on")
+        c = PlanConfig(method=method, batch=1, seq=256, heap_trim="on", allocator="glibc")
         plain = plan(cfg, c, dataclasses.replace(s, head_nv_frozen=None))
         assert plain.activations - plan(cfg, c).activations == pytest.approx((3 - nvs) * per_nv if method == "lora" else 0)
     small = llama_config("llama-bench", vocab_size=8000)  # 256 x 8000 x 4 = 7.8 MB: the plain path
-    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on")
+    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on", allocator="glibc")
     assert plan(small, c).activations == pytest.approx(plan(small, c, dataclasses.replace(s, head_nv_frozen=None)).activations)
 
 
@@ -154,12 +154,38 @@ def test_ours_torch_trims_the_heap_where_its_runs_do():
         (llama, "qlora", True, "off", False), (gpt2, "lora", True, "auto", False), (gpt2, "lora", False, "on", False),
     ):  # fmt: skip
         targets = ("c_attn",) if cfg is gpt2 else ("q_proj", "v_proj")
-        c = PlanConfig(method=method, targets=targets, gc=gc, batch=2, seq=64, heap_trim=mode)
+        c = PlanConfig(method=method, targets=targets, gc=gc, batch=2, seq=64, heap_trim=mode, allocator="glibc")
         want = plan(cfg, c, trimmed if trims else untrimmed).peak
         assert plan(cfg, c).peak == pytest.approx(want, rel=1e-12), (method, gc, mode)
         assert plan(cfg, c).peak != pytest.approx(plan(cfg, c, untrimmed if trims else trimmed).peak, rel=1e-6)
     with pytest.raises(ValueError, match="heap_trim 'yes'"):
         PlanConfig(heap_trim="yes")
+
+
+def test_ours_torch_llama_runs_take_the_tcmalloc_constants_by_default(capsys):
+    """``allocator`` (``lora_core.train.allocator``): an ours-torch Llama run under ``auto`` or
+    ``tcmalloc`` takes ``System.tcmalloc``'s constants, whatever the trim mode (no trim under
+    tcmalloc); GPT-2 under ``auto``, every ``glibc`` run and the other systems keep glibc's."""
+    s = SYSTEMS["ours-torch"]
+    assert s.tcmalloc and {"act_scale", "heap"} <= set(s.tcmalloc)
+    under = dataclasses.replace(s, untrimmed={}, tcmalloc={}, **s.tcmalloc)
+    llama, gpt2 = PRESETS["llama-bench"], GPT2_PRESETS["gpt2"]
+    for gc in (False, True):
+        for trim in ("auto", "on", "off"):
+            for mode in ("auto", "tcmalloc"):
+                c = PlanConfig(gc=gc, batch=2, seq=64, heap_trim=trim, allocator=mode)
+                assert plan(llama, c).peak == pytest.approx(plan(llama, c, under).peak, rel=1e-12)
+            c = PlanConfig(gc=gc, batch=2, seq=64, heap_trim=trim, allocator="glibc")
+            assert plan(llama, c).peak == pytest.approx(plan(llama, c, dataclasses.replace(s, tcmalloc={})).peak, rel=1e-12)
+    c = PlanConfig(targets=("c_attn",), batch=2, seq=64)
+    assert plan(gpt2, c).peak == pytest.approx(plan(gpt2, c, dataclasses.replace(s, tcmalloc={})).peak, rel=1e-12)
+    assert plan(gpt2, dataclasses.replace(c, allocator="tcmalloc")).peak != pytest.approx(plan(gpt2, c).peak, rel=1e-6)
+    c = PlanConfig(batch=2, seq=64, system="hf-peft", allocator="tcmalloc")
+    assert plan(llama, c).peak == pytest.approx(plan(llama, dataclasses.replace(c, allocator="glibc")).peak, rel=1e-12)
+    with pytest.raises(ValueError, match="allocator 'jemalloc'"):
+        PlanConfig(allocator="jemalloc")
+    assert main(["--model", "llama-bench", "--allocator", "glibc"]) == 0
+    assert "allocator glibc" in capsys.readouterr().out
 
 
 def test_jittor_qlora_keeps_every_dequantized_weight_without_gc():
@@ -172,8 +198,10 @@ def test_jittor_qlora_keeps_every_dequantized_weight_without_gc():
 
 def test_overhead_is_the_measured_baseline_and_load():
     s = SYSTEMS["ours-torch"]
-    assert plan(TINY, PlanConfig(method="lora")).overhead == s.base_mb + s.load_mb
-    assert plan(TINY, PlanConfig(method="qlora")).overhead == s.base_mb + s.load_mb + s.load_4bit_mb
+    assert plan(TINY, PlanConfig(method="lora", allocator="glibc")).overhead == s.base_mb + s.load_mb
+    assert plan(TINY, PlanConfig(method="qlora", allocator="glibc")).overhead == s.base_mb + s.load_mb + s.load_4bit_mb
+    t = s.tcmalloc  # a Llama run under tcmalloc (the default): its own measured baseline and load
+    assert plan(TINY, PlanConfig(method="lora")).overhead == t["base_mb"] + t["load_mb"] > s.base_mb + s.load_mb
 
 
 def test_flops_six_n_full_four_n_lora():
@@ -236,10 +264,10 @@ def test_cli_heap_trim_mode(capsys):
     """``--heap-trim``: the run's ``LORA_MALLOC_TRIM`` mode; plain LoRA on a Llama trims only with ``on``."""
     peaks = {}
     for mode in ("auto", "on", "off"):
-        assert main(["--model", "llama-bench", "--batch", "4", "--seq", "512", "--heap-trim", mode]) == 0
+        assert main(["--model", "llama-bench", "--batch", "4", "--seq", "512", "--heap-trim", mode, "--allocator", "glibc"]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per-rank peak"))
         peaks[mode] = float(line.split()[2])
-    c = PlanConfig(batch=4, seq=512)
+    c = PlanConfig(batch=4, seq=512, allocator="glibc")
     assert peaks["auto"] == peaks["off"] == pytest.approx(plan(PRESETS["llama-bench"], c).peak, abs=0.05)
     assert peaks["on"] == pytest.approx(plan(PRESETS["llama-bench"], dataclasses.replace(c, heap_trim="on")).peak, abs=0.05)
     assert peaks["on"] < peaks["off"] - 100  # the trimmed heap: no growth by layer

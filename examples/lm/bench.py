@@ -422,6 +422,7 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
     for s, m in all_med.items():
         m["parts_mb"] = {k: statistics.median(r["parts_mb"][k] for r in raw[s] if "parts_mb" in r)
                          for k in PARTS} if any("parts_mb" in r for r in raw[s]) else {}  # fmt: skip
+        m["allocator"] = next((r["allocator"] for r in raw[s] if "allocator" in r), None)  # the planner's too
     med = {s: m for s, m in all_med.items() if " " not in s}  # the LoRA rows (decoding too)
     same = same_tokens({s: raw[s] for s in med})
     for s, m in med.items():
@@ -438,6 +439,9 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
              f"{'ours-torch compiled (' + args.compile + '); ' if args.compile else ''}greedy "
              f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
              environment_line(env),
+             "malloc (lora_core.train.allocator, LORA_ALLOCATOR " + allocator.mode() + "): " + ", ".join(
+                 f"{k} {v}" for k, v in dict.fromkeys(  # per system, as its workers reported
+                     (k.partition(" ")[0], m["allocator"]) for k, m in all_med.items() if m.get("allocator")).keys()),
              f"FLOPs per trained token {flops['train_step'] / 1e6:.1f} M (2 matmul {flops['matmul'] / 1e6:.1f} M + 3 "
              f"attention {flops['attention'] / 1e6:.2f} M + 3 LoRA {flops['lora'] / 1e6:.2f} M; forward "
              f"{flops['forward'] / 1e6:.1f} M); fp32 GEMM peak {peak['peak_gflops']:.1f} GFLOP/s "

@@ -52,9 +52,10 @@ def split_key(key: str) -> tuple[str, str]:
     return system, method or "lora"
 
 
-def predicted(settings: dict | None, system: str, method: str, measured: float | None) -> tuple:
+def predicted(settings: dict | None, system: str, method: str, measured: float | None, malloc: str | None = None) -> tuple:
     """The planner's peak (MB) for a row and its error (%) against ``measured``; ``settings``:
-    the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction)."""
+    the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction);
+    ``malloc``: the allocator the row ran under (``tcmalloc``; else glibc's, as before 98c5579)."""
     from lora_core.plan import SYSTEMS, bench_plan
 
     if not settings or system not in SYSTEMS:
@@ -62,7 +63,8 @@ def predicted(settings: dict | None, system: str, method: str, measured: float |
     try:
         p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
                        settings.get("vocab"), ranks=settings.get("ranks") or 2, zero_engine=engine(settings, system),
-                       heap_trim=settings.get("malloc_trim") or "off").peak  # fmt: skip
+                       heap_trim=settings.get("malloc_trim") or "off",
+                       allocator="tcmalloc" if malloc == "tcmalloc" else "glibc").peak  # fmt: skip
     except ValueError:  # a method the system refuses (jittor's ZeRO-3): no plan, as no measurement
         return None, None
     return p, (None if not measured else 100 * (p - measured) / measured)
@@ -88,7 +90,7 @@ def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = Non
         full = med.get(f"{system} full")
         base = full.get("train_peak_private_mb") if full else None
         private = m.get("train_peak_private_mb")
-        pred, err = predicted(settings, system, method, m.get("train_peak_anon_mb"))
+        pred, err = predicted(settings, system, method, m.get("train_peak_anon_mb"), m.get("allocator"))
         out.append({"method": method, "system": system, "tok_s": tok_s, "gflops": gflops,
                     "peak_fraction": None if gflops is None else gflops / (cores * peak_gflops),
                     "s_per_100": None if not tok_s else 100 * m["median_step_s"],

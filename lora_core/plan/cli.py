@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import sys
 
+from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.heap import TRIM_MODES
 from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConfig, fmt_plan, plan, resolve_model
 
@@ -39,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heap-trim", default="auto", choices=TRIM_MODES,
                    help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
                         "auto: with --gc or a 4-bit base)")
+    p.add_argument("--allocator", default="auto", choices=ALLOCATOR_MODES,
+                   help="the run's LORA_ALLOCATOR mode (lora_core.train.allocator; auto: ours-torch's Llama runs "
+                        "under tcmalloc, as the commands run them where it is installed)")
     return p
 
 
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, name = resolve_model(args.model)
         c = PlanConfig(method=args.method, targets=tuple(t for t in args.targets.split(",") if t), r=args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
-                       seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim)  # fmt: skip
+                       seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim,
+                       allocator=args.allocator)  # fmt: skip
         sysm = dataclasses.replace(SYSTEMS[c.system], zero_engine=args.zero_engine) if args.zero_engine else None
         result = plan(cfg, c, sysm)
     except (ValueError, OSError) as e:

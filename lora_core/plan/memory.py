@@ -65,6 +65,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..train.allocator import MODES as ALLOCATOR_MODES
+from ..train.allocator import wanted as under_tcmalloc
 from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, run_trims
 
 MB = 2**20
@@ -135,6 +137,9 @@ class System:
     # that does not (the fields above are those of one that does)
     trim_kinds: tuple[str, ...] = ()
     untrimmed: dict = field(default_factory=dict)
+    # the constants of a run under tcmalloc (``lora_core.train.allocator``: ours-torch's Llama runs
+    # where it is installed, by default), in place of the fields above; empty: not modelled
+    tcmalloc: dict = field(default_factory=dict)
     family: dict = field(default_factory=dict)  # per model kind: the fields above that differ (``for_kind``)
     # bf16 as torch.autocast: weights, gradients and AdamW moments stay float32, the activations
     # bf16 (ours-torch's set_precision, the benches' hf-peft); False: weights held in bf16 (a
@@ -159,6 +164,7 @@ SYSTEMS: dict[str, System] = {
                          act_scale=0.675, heap=0.821, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
                          trim_kinds=("llama",),
                          untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
+                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.675, "heap": 0.821, "heap_layers": 0.0, "full_heap": 0.0},
                          autocast=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
@@ -224,6 +230,9 @@ class PlanConfig:
     system: str = "ours-torch"
     overhead_mb: float | None = None  # replaces the system's base_mb (a measured baseline)
     heap_trim: str = "auto"  # LORA_MALLOC_TRIM's mode (lora_core.train.heap): auto, on, off
+    # LORA_ALLOCATOR's mode (lora_core.train.allocator): auto (ours-torch's Llama runs under
+    # tcmalloc, as the commands run them where it is installed), glibc, tcmalloc
+    allocator: str = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -242,6 +251,8 @@ class PlanConfig:
             raise ValueError(f"system {self.system!r} is not one of {tuple(SYSTEMS)}")
         if self.heap_trim not in TRIM_MODES:
             raise ValueError(f"heap_trim {self.heap_trim!r} is not one of {TRIM_MODES}")
+        if self.allocator not in ALLOCATOR_MODES:
+            raise ValueError(f"allocator {self.allocator!r} is not one of {ALLOCATOR_MODES}")
         for name in ("r", "batch", "seq"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "r" else 1):
@@ -447,7 +458,9 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     a = arch_of(cfg)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     quantized_base = c.method == "qlora"
-    if sysm.untrimmed and not run_trims(a.kind, sysm.trim_kinds, c.heap_trim, c.gc, quantized_base):
+    if sysm.tcmalloc and under_tcmalloc(c.allocator, c.system, a.kind):  # no heap trim there
+        sysm = dataclasses.replace(sysm, **sysm.tcmalloc)
+    elif sysm.untrimmed and not run_trims(a.kind, sysm.trim_kinds, c.heap_trim, c.gc, quantized_base):
         sysm = dataclasses.replace(sysm, **sysm.untrimmed)
     if sysm.zero_engine not in ZERO_ENGINES:
         raise ValueError(f"System.zero_engine must be one of {ZERO_ENGINES}, got {sysm.zero_engine!r}")
@@ -495,7 +508,8 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
     lines = [f"model {name}: {p.params / 1e6:.1f} M parameters, {p.trainable / 1e6:.2f} M trainable "
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
              f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
-             f"system {c.system} ({sysm.note})" + (f", heap trim {c.heap_trim}" if sysm.trim_kinds else ""),
+             f"system {c.system} ({sysm.note})"
+             + (f", allocator {c.allocator} (glibc: heap trim {c.heap_trim})" if sysm.trim_kinds else ""),
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
@@ -571,6 +585,7 @@ def bench_plan(
     zero_engine: str | None = None,
     heap_trim: str = "auto",
     precision: str = "fp32",
+    allocator: str = "auto",
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
@@ -578,7 +593,7 @@ def bench_plan(
     in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
     ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed);
     ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``); ``precision``:
-    the run's (``examples.lm.gpu_bench --precision``)."""
+    the run's (``examples.lm.gpu_bench --precision``); ``allocator``: its ``LORA_ALLOCATOR`` mode."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
@@ -586,7 +601,7 @@ def bench_plan(
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
-                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision)  # fmt: skip
+                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision, allocator=allocator)  # fmt: skip
     if zero_engine:
         sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
     return plan(cfg, c, sysm)

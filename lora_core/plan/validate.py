@@ -121,7 +121,12 @@ def bench_rows(paths) -> list[dict]:
             # ours-torch's heap trim mode (lora_core.train.heap), recorded since c2cfa46 (and added to the
             # files of 4a04648-c2cfa46, when every Llama step trimmed: "on"); none before 4a04648
             trim = s.get("malloc_trim") or "off"
+            # the malloc each run's worker ran under (lora_core.train.allocator), recorded since 98c5579
+            alloc = {r.get("allocator", "glibc") for r in runs}
+            if len(alloc) > 1:
+                raise ValueError(f"{path}: {key}: repeats under different allocators {sorted(alloc)}")
             out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
+                        "allocator": alloc.pop(),
                         "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
                         "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip
     return out
@@ -138,7 +143,8 @@ def predict(row: dict, sysm: System | None = None) -> float:
     s = row["settings"]
     return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
                       s.get("vocab"), sysm, s.get("ranks") or 2,
-                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto")).peak  # fmt: skip
+                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto"),
+                      allocator=row.get("allocator", "glibc")).peak  # fmt: skip
 
 
 def check(rows: list[dict]) -> list[dict]:
@@ -150,16 +156,34 @@ def check(rows: list[dict]) -> list[dict]:
     return out
 
 
-def fit(rows: list[dict], system: str) -> dict[str, float]:
-    """Values of ``FITTED[system]`` over ``rows`` of that system and ``FIT_FAMILY`` (one process) that minimise the largest
-    relative error (each row's equation divided by its measurement; Lawson's iteratively
-    reweighted least squares, starting from the plain least squares)."""
+def _with(base: System, variant: str | None, values: dict) -> System:
+    """``base`` with ``values`` for its own constants, or (``variant`` ``tcmalloc``) for those of
+    its runs under tcmalloc."""
+    if variant == "tcmalloc":
+        return dataclasses.replace(base, tcmalloc={**base.tcmalloc, **values})
+    return dataclasses.replace(base, **values)
+
+
+def fit_rows(rows: list[dict], system: str, variant: str | None = None) -> list[dict]:
+    """The rows a system's constants are fitted on: its ``FIT_FAMILY`` rows in one process; the
+    trimmed ones (its own constants) or those run under tcmalloc (``variant`` ``tcmalloc``)."""
+    base = SYSTEMS[system]
+    rs = [r for r in rows if r["system"] == system and r["family"] == FIT_FAMILY and not bench_method(r["method"])[1]]
+    if variant == "tcmalloc":
+        return [r for r in rs if r.get("allocator") == "tcmalloc"]
+    return [r for r in rs if r.get("allocator", "glibc") != "tcmalloc" and (not base.untrimmed or trimmed(r))]
+
+
+def fit(rows: list[dict], system: str, variant: str | None = None) -> dict[str, float]:
+    """Values of ``FITTED[system]`` over :func:`fit_rows` that minimise the largest relative
+    error (each row's equation divided by its measurement; Lawson's iteratively reweighted least
+    squares, starting from the plain least squares); ``variant`` ``tcmalloc``: the constants of
+    the system's runs under tcmalloc (``System.tcmalloc``)."""
     names, base = FITTED[system], SYSTEMS[system]
-    zero = dataclasses.replace(base, **{n: 0.0 for n in names})
-    rs = [r for r in rows if r["system"] == system and r["family"] == FIT_FAMILY and not bench_method(r["method"])[1]
-          and (not base.untrimmed or trimmed(r))]  # a system's untrimmed constants are not these
+    zero = _with(base, variant, {n: 0.0 for n in names})
+    rs = fit_rows(rows, system, variant)
     x0 = np.array([predict(r, zero) for r in rs])
-    X = np.stack([np.array([predict(r, dataclasses.replace(zero, **{n: 1.0})) for r in rs]) - x0 for n in names], 1)
+    X = np.stack([np.array([predict(r, _with(zero, variant, {n: 1.0})) for r in rs]) - x0 for n in names], 1)
     y = np.array([r["measured"] for r in rs])
     A, b = X / y[:, None], (y - x0) / y
     w = np.full(len(y), 1.0 / len(y))
@@ -171,8 +195,15 @@ def fit(rows: list[dict], system: str) -> dict[str, float]:
 
 
 def fitted(rows: list[dict]) -> dict[str, System]:
-    """``SYSTEMS`` with the constants of ``FITTED`` fitted on ``rows``."""
-    return {**SYSTEMS, **{s: dataclasses.replace(SYSTEMS[s], **fit(rows, s)) for s in FITTED}}
+    """``SYSTEMS`` with the constants of ``FITTED`` fitted on ``rows`` (and, where a system has
+    constants for tcmalloc and rows run under it, those too)."""
+    out = dict(SYSTEMS)
+    for s in FITTED:
+        sysm = dataclasses.replace(SYSTEMS[s], **fit(rows, s))
+        if SYSTEMS[s].tcmalloc and fit_rows(rows, s, "tcmalloc"):
+            sysm = _with(sysm, "tcmalloc", fit(rows, s, "tcmalloc"))
+        out[s] = sysm
+    return out
 
 
 def leave_one_shape_out(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -220,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         systems = fitted([r for r in rows if r["shape"] not in held and r["file"] not in held])
         for system in FITTED:
             print(f"{system}: " + ", ".join(f"{k} {getattr(systems[system], k):.3f}" for k in FITTED[system]))
+            if systems[system].tcmalloc:
+                print(f"{system} under tcmalloc: " + ", ".join(f"{k} {systems[system].tcmalloc.get(k, 0.0):.3f}"
+                                                               for k in FITTED[system]))  # fmt: skip
         SYSTEMS.update(systems)
     checked = check(rows)
     for r in checked:
