@@ -90,7 +90,7 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
 
 def test_gc_keeps_one_layer_input_per_layer():
     cfg = PRESETS["llama-bench"]
-    c = dict(method="lora", batch=2, seq=16, heap_trim="on")  # the same constants with and without GC
+    c = dict(method="lora", batch=2, seq=16, heap_trim="on", allocator="glibc")  # the same constants with and without GC
     on, off = plan(cfg, PlanConfig(**c, gc=True)), plan(cfg, PlanConfig(**c, gc=False))
     assert on.per_layer_gc * MB == 2 * 16 * cfg.hidden_size * 4
     L, scale = cfg.num_hidden_layers, SYSTEMS["ours-torch"].act_scale
@@ -302,6 +302,13 @@ def test_constants_are_the_documented_fit():
         got = fit(rows, system)
         for n in names:
             assert got[n] == pytest.approx(getattr(SYSTEMS[system], n), abs=0.01), (system, n)
+    # ours-torch's constants under tcmalloc (lora_core.train.allocator), on the rows run under it only
+    under = [r for r in rows if r["allocator"] == "tcmalloc"]
+    assert {r["system"] for r in under} == {"ours-torch"} and len(under) >= 30
+    got = fit(rows, "ours-torch", "tcmalloc")
+    for n in FITTED["ours-torch"]:
+        assert got[n] == pytest.approx(SYSTEMS["ours-torch"].tcmalloc[n], abs=0.01), n
+    assert fit(rows, "ours-torch") == fit([r for r in rows if r["allocator"] != "tcmalloc"], "ours-torch")
 
 
 def test_bench_jsons_committed():

@@ -164,7 +164,11 @@ SYSTEMS: dict[str, System] = {
                          act_scale=0.675, heap=0.821, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
                          trim_kinds=("llama",),
                          untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
-                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.675, "heap": 0.821, "heap_layers": 0.0, "full_heap": 0.0},
+                         # under tcmalloc (lora_core.train.allocator; the commands' default since dd3853f):
+                         # baseline and load measured (tiny-llama's rows), heap and act_scale fitted on
+                         # the six shapes' rows at 98c5579/dd3853f (docs/planning.md)
+                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.664, "heap": 0.371, "heap_layers": 0.0,
+                                   "full_heap": 0.0},
                          autocast=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,

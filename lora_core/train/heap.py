@@ -28,7 +28,10 @@ method is for: with activation checkpointing or a 4-bit base (:func:`wanted`); p
 full fine-tuning keep the speed. ``LORA_MALLOC_TRIM=1`` trims every training step,
 ``LORA_MALLOC_TRIM=0`` none.
 
-Elsewhere (no glibc, e.g. macOS or musl) ``trim`` does nothing and says so.
+Elsewhere (no glibc, e.g. macOS or musl) ``trim`` does nothing and says so, and so does a
+process that runs under tcmalloc (``lora_core.train.allocator``: the commands' torch Llama runs
+where it is installed), whose freed spans glibc's trim cannot reach and which keeps no scattered
+heap to return: there a step's peak is lower than glibc's trimmed one, with no page faults.
 """
 
 from __future__ import annotations
