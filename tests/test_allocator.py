@@ -84,3 +84,11 @@ def test_relaunched_process_runs_tcmalloc_and_skips_the_trim():
         out = subprocess.run([sys.executable, "-c", code], env=dict(env, LORA_ALLOCATOR=mode, LORA_MALLOC_TRIM="auto"),
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode == 0 and out.stdout.split() == want.split(), out.stderr
+
+
+def test_malloc_probe_reports_the_heap(capsys):
+    from examples.lm import malloc_probe
+
+    assert malloc_probe.main(["--shape", "tiny-llama", "--batch", "1", "--block", "16", "--steps", "1", "--gc"]) == 0
+    out = capsys.readouterr().out
+    assert "step " in out and f"malloc {allocator.active()}" in out and "glibc heap" in out
