@@ -29,6 +29,33 @@ import time
 import numpy as np
 
 
+def lora_training(shape: str, batch: int, block: int, gc: bool):
+    """The torch backend, a model of ``shape`` (random weights, LoRA r=8 on q,k,v,o, activation
+    checkpointing if ``gc``), its AdamW and one packed batch of ``batch`` rows of ``block`` tokens
+    (two documents each), on one thread: the set-up of these step probes (``malloc_probe`` too)."""
+    import torch
+
+    import backends.torch as bk
+    import lora_core as lc
+    from lora_core.data.batching import collate
+    from lora_core.models.llama import init_llama_weights, llama_config
+    from lora_core.train.optim import AdamWConfig
+
+    torch.set_num_threads(1)
+    cfg = llama_config(shape)
+    model = bk.LlamaForCausalLM(cfg)
+    model.load_weights(init_llama_weights(cfg, 0))
+    bk.inject_lora(model, lc.LoRATargetConfig(r=8, alpha=16, dropout=0.0, seed=1,
+                                               target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))  # fmt: skip
+    bk.set_grad_checkpoint(model, gc)
+    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig())
+    rng = np.random.default_rng(0)
+    half = block // 2
+    rows = [(rng.integers(1, cfg.vocab_size, half).tolist(), rng.integers(1, cfg.vocab_size, block - half).tolist())
+            for _ in range(batch)]  # fmt: skip
+    return bk, model, opt, collate(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-bench")
@@ -41,17 +68,10 @@ def main(argv=None) -> int:
                         "or the trim's stride in layers (--strides)")
     p.add_argument("--strides", default="1,2", help="--ab stride: the two LORA_MALLOC_TRIM_EVERY values (default 1,2)")
     a = p.parse_args(argv)
-    import torch
-
-    import backends.torch as bk
-    import lora_core as lc
-    from lora_core.data.batching import collate
-    from lora_core.models.llama import init_llama_weights, llama_config
     from lora_core.train import heap
-    from lora_core.train.optim import AdamWConfig
 
-    if heap._libc() is None:
-        p.error("no glibc malloc_trim here: nothing to compare")
+    if not heap.available() and heap.mode() != "off":
+        p.error("no malloc_trim (glibc) nor tcmalloc release function here: nothing to compare")
     strides = a.strides.split(",")
     if a.ab == "stride":
         try:
@@ -61,18 +81,7 @@ def main(argv=None) -> int:
                 heap.parse_stride(x, "a stride")
         except ValueError as e:
             p.error(f"--strides {a.strides!r}: {e}")
-    torch.set_num_threads(1)
-    cfg = llama_config(a.shape)
-    model = bk.LlamaForCausalLM(cfg)
-    model.load_weights(init_llama_weights(cfg, 0))
-    bk.inject_lora(model, lc.LoRATargetConfig(r=8, alpha=16, dropout=0.0, seed=1,
-                                               target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))  # fmt: skip
-    bk.set_grad_checkpoint(model, a.gc)
-    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig())
-    rng = np.random.default_rng(0)
-    half = a.block // 2
-    batch = collate([(rng.integers(1, cfg.vocab_size, half).tolist(), rng.integers(1, cfg.vocab_size, a.block - half).tolist())
-                     for _ in range(a.batch)])  # fmt: skip
+    bk, model, opt, batch = lora_training(a.shape, a.batch, a.block, a.gc)
     names = {"trim": ("trim", "no trim"), "gc": ("GC", "plain"), "stride": tuple(f"every {x}" for x in strides)}[a.ab]
     mode = heap.mode()
 

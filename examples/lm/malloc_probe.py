@@ -20,8 +20,6 @@ import ctypes
 import threading
 import time
 
-import numpy as np
-
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -43,31 +41,15 @@ def main(argv=None) -> int:
     p.add_argument("--gc", action="store_true", help="activation checkpointing")
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     a = p.parse_args(argv)
-    import torch
-
-    import backends.torch as bk
-    import lora_core as lc
-    from lora_core.data.batching import collate
-    from lora_core.models.llama import init_llama_weights, llama_config
     from lora_core.train import allocator
-    from lora_core.train.optim import AdamWConfig
+
+    from .heap_trim_ab import lora_training
 
     libc = ctypes.CDLL("libc.so.6")
     if not hasattr(libc, "mallinfo2"):
         p.error("glibc without mallinfo2 (2.33+)")
     libc.mallinfo2.restype = _MallInfo2
-    torch.set_num_threads(1)
-    cfg = llama_config(a.shape)
-    model = bk.LlamaForCausalLM(cfg)
-    model.load_weights(init_llama_weights(cfg, 0))
-    bk.inject_lora(model, lc.LoRATargetConfig(r=8, alpha=16, dropout=0.0, seed=1,
-                                               target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))  # fmt: skip
-    bk.set_grad_checkpoint(model, a.gc)
-    opt = bk.AdamW(bk.trainable_parameters(model), AdamWConfig())
-    rng = np.random.default_rng(0)
-    half = a.block // 2
-    batch = collate([(rng.integers(1, cfg.vocab_size, half).tolist(), rng.integers(1, cfg.vocab_size, a.block - half).tolist())
-                     for _ in range(a.batch)])  # fmt: skip
+    bk, model, opt, batch = lora_training(a.shape, a.batch, a.block, a.gc)
     bk.train_step(model, opt, [batch], 1e-4)
     top: dict = {}
     in_use = [0.0]
