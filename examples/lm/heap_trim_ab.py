@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from lora_core.train import heap
 
-    if not heap.available() and heap.mode() != "off":
-        p.error("no malloc_trim (glibc) nor tcmalloc release function here: nothing to compare")
+    if heap._libc() is None or not (heap.available() or heap.mode() == "off"):
+        p.error("no glibc malloc_trim in this process (none under tcmalloc, which needs none): nothing to compare")
     strides = a.strides.split(",")
     if a.ab == "stride":
         try:

@@ -88,34 +88,6 @@ def active(maps: str = "/proc/self/maps") -> str:
     return "tcmalloc" if "libtcmalloc" in text else "glibc"
 
 
-def loaded_tcmalloc(maps: str = "/proc/self/maps") -> str | None:
-    """The path of the tcmalloc library mapped into this process, or None."""
-    try:
-        text = Path(maps).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if "libtcmalloc" in Path(path).name:
-            return path
-    return None
-
-
-def release_function(maps: str = "/proc/self/maps"):
-    """tcmalloc's ``MallocExtension_ReleaseFreeMemory`` (its free spans handed back to the OS) in
-    this process, or None where tcmalloc is not loaded or has no such function."""
-    import ctypes
-
-    path = loaded_tcmalloc(maps)
-    try:
-        fn = getattr(ctypes.CDLL(path), "MallocExtension_ReleaseFreeMemory") if path else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.restype, fn.argtypes = None, []
-    return fn
-
-
 def preload_env(env: dict, lib: str) -> dict:
     """``env`` with ``lib`` first in ``LD_PRELOAD`` (kept once) and tcmalloc's large-allocation
     reports off (:data:`QUIET`, unless set)."""

@@ -102,15 +102,11 @@ def parse_stride(value: str, where: str) -> int:
     return int(value)
 
 
-def every() -> int | None:
-    """The stride of the trim points in layers: ``LORA_MALLOC_TRIM_EVERY`` (a positive integer),
-    else :data:`EVERY` under glibc's malloc and None under tcmalloc (the last layer only: its free
-    spans are few, and one release a step where the peak comes keeps most of the saving at ~1% of
-    the step's time, docs/llama.md); another value is refused naming the variable."""
+def every() -> int:
+    """The stride of the trim points in layers: ``LORA_MALLOC_TRIM_EVERY`` (a positive integer)
+    or :data:`EVERY`; another value is refused naming the variable."""
     v = os.environ.get("LORA_MALLOC_TRIM_EVERY", "").strip()
-    if v:
-        return parse_stride(v, "LORA_MALLOC_TRIM_EVERY")
-    return EVERY if _releaser()[0] == "glibc" else None
+    return parse_stride(v, "LORA_MALLOC_TRIM_EVERY") if v else EVERY
 
 
 def trim_points(layers: int, stride: int | None = None) -> list[tuple[bool, bool]]:
@@ -118,40 +114,27 @@ def trim_points(layers: int, stride: int | None = None) -> list[tuple[bool, bool
     the backward pass leaves it: at every ``stride``-th layer (layers stride-1, 2 stride-1, ...),
     both ways, and where the forward pass enters the last layer, after which the head and the
     first (last layer's) backward come: the step's peak (docs/llama.md, where the trim's cost is
-    measured). ``stride`` None: :func:`every`'s, which may be None: the last layer only."""
-    stride = (every() or layers) if stride is None else stride
+    measured)."""
+    stride = every() if stride is None else stride
     if stride < 1:
         raise ValueError(f"trim stride {stride}: expected a positive number of layers")
     return [(i % stride == stride - 1 or i == layers - 1, i % stride == stride - 1) for i in range(layers)]
 
 
-_RELEASE: list = []  # [(malloc, function returning freed memory or None)], found once per process
-
-
-def _releaser():
-    """This process's malloc (``glibc`` or ``tcmalloc``, ``lora_core.train.allocator``) and the
-    function that hands its free memory back to the OS: glibc's ``malloc_trim(0)``, tcmalloc's
-    ``MallocExtension_ReleaseFreeMemory`` (None where there is none)."""
-    if not _RELEASE:
-        from .allocator import active, release_function
-
-        if active() == "tcmalloc":
-            _RELEASE.append(("tcmalloc", release_function()))
-        else:
-            lib = _libc()
-            _RELEASE.append(("glibc", None if lib is None else (lambda: bool(lib.malloc_trim(0)))))
-    return _RELEASE[0]
+_UNDER_TCMALLOC: list = []
 
 
 def available() -> bool:
-    """Whether ``trim`` returns memory here (glibc's ``malloc_trim`` or tcmalloc's release
-    function found, and ``LORA_MALLOC_TRIM=0`` has not turned it off)."""
-    return mode() != "off" and _releaser()[1] is not None
+    """Whether ``trim`` returns memory here: glibc's malloc serves this process (not tcmalloc,
+    ``lora_core.train.allocator``, whose spans glibc's trim cannot reach and which needs none) and
+    ``LORA_MALLOC_TRIM=0`` has not turned it off."""
+    if not _UNDER_TCMALLOC:
+        from .allocator import active
+
+        _UNDER_TCMALLOC.append(active() == "tcmalloc")
+    return mode() != "off" and _libc() is not None and not _UNDER_TCMALLOC[0]
 
 
 def trim() -> bool:
-    """Give the allocator's free pages back to the OS (glibc: ``malloc_trim(0)``, True if any
-    were; tcmalloc: its free spans, True)."""
-    if not available():
-        return False
-    return bool(_releaser()[1]()) or _releaser()[0] == "tcmalloc"
+    """Give the heap's free pages back to the OS (``malloc_trim(0)``); True if any were."""
+    return bool(_libc().malloc_trim(0)) if available() else False
