@@ -131,6 +131,8 @@ def test_train_under_tcmalloc_gives_glibcs_losses(prepared):
         assert f"malloc: {'tcmalloc' if mode == 'auto' else 'glibc'}" in r.stderr, r.stderr
         runs[mode] = _losses(root / f"alloc-{mode}")
     assert len(runs["auto"]) == 6 and runs["auto"] == runs["glibc"]
+    r = _train("torch", root, out, "alloc-bad", env=dict(os.environ, LORA_ALLOCATOR="jemalloc"), ok=False)
+    assert r.returncode == 2 and "LORA_ALLOCATOR='jemalloc': expected one of auto, glibc, tcmalloc" in r.stderr, r.stderr
 
 
 def test_train_refuses_mismatched_tokenizer_and_long_blocks(prepared):

@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
     if argv is None:  # a command, not a call from Python: its malloc can still be chosen (before torch loads)
         if (args.backend or os.environ.get("LORA_BACKEND") or "torch") == "torch":
-            allocator.relaunch(model_kind(args))
+            try:
+                allocator.relaunch(model_kind(args))
+            except ValueError as e:  # LORA_ALLOCATOR's value
+                p.error(str(e))
             if os.environ.get("RANK", "0") == "0":
                 print(f"[lm.train] malloc: {allocator.active()} (lora_core.train.allocator)", file=sys.stderr)
 
