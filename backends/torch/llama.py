@@ -88,7 +88,9 @@ class LlamaAttention(nn.Module):
         else:
             if past is not None:
                 k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            present = (k, v)
+            # the training path on real tokens keeps no cache (and returns no views of k, v: FSDP2
+            # warns of a wrapped layer's view outputs)
+            present = None if unpad is not None else (k, v)
             if bias is None:  # no past, no padding: plain causal attention
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
             else:
