@@ -340,6 +340,7 @@ def _timed(fn) -> float:
 def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
     """Every (repeat, system, task) in its own process; the system order rotates per repeat."""
     raw = {row_key(s, m): [] for s in args.systems for m in args.methods}
+    kind = "gpt2" if is_gpt2(_shape(vars(args))) else "llama"
     for rep in range(args.repeats):
         order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
         for system in order:
@@ -353,7 +354,7 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
                     zero = bench_method(method)[1]
-                    env = worker_env(os.environ, system, "gpt2" if is_gpt2(_shape(spec)) else "llama")
+                    env = worker_env(os.environ, system, kind)
                     out = (spawn_ranks(spec, args.threads, args.ranks, env) if zero
                            else spawn("examples.lm.bench", spec, args.threads, env=env))  # fmt: skip
                     result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})

@@ -64,7 +64,7 @@ def predicted(settings: dict | None, system: str, method: str, measured: float |
         p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
                        settings.get("vocab"), ranks=settings.get("ranks") or 2, zero_engine=engine(settings, system),
                        heap_trim=settings.get("malloc_trim") or "off",
-                       allocator="tcmalloc" if malloc == "tcmalloc" else "glibc").peak  # fmt: skip
+                       allocator=malloc or "glibc").peak  # fmt: skip
     except ValueError:  # a method the system refuses (jittor's ZeRO-3): no plan, as no measurement
         return None, None
     return p, (None if not measured else 100 * (p - measured) / measured)

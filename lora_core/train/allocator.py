@@ -78,14 +78,23 @@ def find_tcmalloc(dirs: list[Path] | None = None) -> str | None:
     return None
 
 
-def active(maps: str = "/proc/self/maps") -> str:
+_ACTIVE: list = []  # this process's malloc, read once: it cannot change while the process runs
+
+
+def active(maps: str | None = None) -> str:
     """``tcmalloc`` if a tcmalloc library is mapped into this process (it then serves ``malloc``:
-    it can only have come in through ``LD_PRELOAD`` or a link), else ``glibc``."""
+    it can only have come in through ``LD_PRELOAD`` or a link), else ``glibc``; ``maps``: a
+    ``/proc/PID/maps`` file to read instead of this process's (read once)."""
+    if maps is None and _ACTIVE:
+        return _ACTIVE[0]
     try:
-        text = Path(maps).read_text()
+        text = Path(maps or "/proc/self/maps").read_text()
     except OSError:
-        return "glibc"
-    return "tcmalloc" if "libtcmalloc" in text else "glibc"
+        text = ""
+    found = "tcmalloc" if "libtcmalloc" in text else "glibc"
+    if maps is None:
+        _ACTIVE.append(found)
+    return found
 
 
 def preload_env(env: dict, lib: str) -> dict:

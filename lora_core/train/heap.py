@@ -121,18 +121,13 @@ def trim_points(layers: int, stride: int | None = None) -> list[tuple[bool, bool
     return [(i % stride == stride - 1 or i == layers - 1, i % stride == stride - 1) for i in range(layers)]
 
 
-_UNDER_TCMALLOC: list = []
-
-
 def available() -> bool:
     """Whether ``trim`` returns memory here: glibc's malloc serves this process (not tcmalloc,
     ``lora_core.train.allocator``, whose spans glibc's trim cannot reach and which needs none) and
     ``LORA_MALLOC_TRIM=0`` has not turned it off."""
-    if not _UNDER_TCMALLOC:
-        from .allocator import active
+    from .allocator import active
 
-        _UNDER_TCMALLOC.append(active() == "tcmalloc")
-    return mode() != "off" and _libc() is not None and not _UNDER_TCMALLOC[0]
+    return mode() != "off" and _libc() is not None and active() != "tcmalloc"
 
 
 def trim() -> bool:
