@@ -226,26 +226,63 @@ def test_jittor_checkpointing_saves_memory():
     assert ckpt < 0.6 * plain, (ckpt, plain)
 
 
-@pytest.mark.parametrize("masks", ["none", "framework", "numpy"])
-def test_torch_llama_recomputes_up_to_a_frozen_down_proj(masks):
-    """With LoRA on q, k, v, o (the studies' targets) ``down_proj`` is frozen and keeps nothing for
-    the backward pass: the torch backend's checkpointing recomputes each layer only up to it
-    (``LlamaDecoderLayer.before_down``; 26% fewer recomputed GEMMs at Llama-3.2-1B's widths), with
-    the plain step's loss and gradients bit for bit. A ``down_proj`` with LoRA, or trained (full
-    FT), is recomputed with the rest of the layer."""
+def _torch_tiny_llama(masks: str, targets: tuple[str, ...]):
+    """The torch backend's tiny Llama with random LoRA on ``targets`` and its dropout source."""
     bk = lc.get_backend("torch")
     cfg = llama_config("tiny-llama")
     model = bk.LlamaForCausalLM(cfg)
     model.load_weights(init_llama_weights(cfg, 0))
     bk.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=8.0, dropout=0.0 if masks == "none" else P, seed=1,
-                                              target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))  # fmt: skip
+                                              target_modules=targets))  # fmt: skip
     rng = np.random.default_rng(1)
     model.load_partial({n: 0.1 * rng.standard_normal(tuple(p.shape)).astype(np.float32)
                         for n, p in bk.trainable_parameters(model).items()})  # fmt: skip
     source = NumpyDropout(5) if masks == "numpy" else None
     set_dropout_source(model, source)
+    return bk, cfg, model, source
+
+
+@pytest.mark.parametrize("masks", ["none", "framework", "numpy"])
+def test_torch_llama_frozen_mlp_backward_in_pieces(masks, monkeypatch):
+    """With LoRA on q, k, v, o (the studies' targets) the MLP is frozen: the torch backend's
+    checkpointing keeps only its input and takes its backward pass in pieces of tokens
+    (``FrozenMLP``, ``lora_core.train.recompute``), the recomputation skipping the MLP itself.
+    Pieces of 64 tokens here (the batch has more): the plain step's loss, and its gradients to
+    the bound measured (GEMMs over fewer rows may round differently)."""
+    from lora_core.train import recompute
+
+    bk, cfg, model, source = _torch_tiny_llama(masks, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    monkeypatch.setattr(recompute, "MLP_CHUNK_BYTES", 64 * cfg.intermediate_size * 4)
+    assert all(block.mlp_frozen() for block in model.model.layers)
+    batch = _lm_batch(cfg.vocab_size)
+    assert len(batch["token_index"]) > 64  # more than one piece
     layer = model.model.layers[0]
-    assert all(block.down_keeps_nothing() for block in model.model.layers)
+    mlp_calls, pieces = _count_calls(bk, layer.mlp), []
+    gate = layer.mlp.gate_proj.forward
+    layer.mlp.gate_proj.forward = lambda x: pieces.append(x.shape[0]) or gate(x)
+    plain = _step(bk, "llama", model, source, batch)
+    assert len(mlp_calls) == 1 and pieces == [len(batch["token_index"])]
+    bk.set_grad_checkpoint(model, True)
+    ckpt = _step(bk, "llama", model, source, batch)
+    n = len(batch["token_index"])
+    # the forward pass (whole), then no MLP in the recomputation, then the backward in pieces
+    assert len(mlp_calls) == 2 and pieces[1:] == [n] + [64] * (n // 64) + ([n % 64] if n % 64 else [])
+    assert ckpt[0] == plain[0] and sorted(ckpt[1]) == sorted(plain[1])
+    diff = max(float(np.abs(ckpt[1][k] - plain[1][k]).max() / (np.abs(plain[1][k]).max() + 1e-30)) for k in plain[1])
+    MEASURED[f"torch llama GC, frozen MLP's backward in pieces vs plain: max relative grad diff ({masks} masks)"] = diff
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("masks", ["none", "framework", "numpy"])
+def test_torch_llama_recomputes_up_to_a_frozen_down_proj(masks):
+    """With LoRA on gate_proj (and q, k, v, o) ``down_proj`` is frozen and keeps nothing for the
+    backward pass: the torch backend's checkpointing recomputes each layer only up to it
+    (``LlamaDecoderLayer.before_down``; 26% fewer recomputed GEMMs at Llama-3.2-1B's widths), with
+    the plain step's loss and gradients bit for bit. A ``down_proj`` with LoRA, or trained (full
+    FT), is recomputed with the rest of the layer."""
+    bk, cfg, model, source = _torch_tiny_llama(masks, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"))
+    layer = model.model.layers[0]
+    assert all(block.down_keeps_nothing() and not block.mlp_frozen() for block in model.model.layers)
     before, down = _count_calls(bk, layer), []
     part = layer.before_down
     layer.before_down = lambda *a: down.append(1) or part(*a)

@@ -60,6 +60,12 @@ class LoRALinear(nn.Module):
             y = self._lora_out(x, y)
         return y
 
+    def input_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """``g W``: the input gradient of the frozen base product for the output gradient ``g``
+        (rows, out) (what autograd's backward of ``F.linear`` computes for it); the LoRA pair's
+        part is not in it."""
+        return g @ self.weight
+
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling * B A`` (what a merged layer holds), without changing the layer."""
         return self.weight + self.delta_weight() if self.r and not self.merged else self.weight

@@ -219,16 +219,20 @@ class _Matmul4bit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        layer = ctx.layer
-        absmax = _absmax_for_kernel(layer) if g.dtype == layer.compute_dtype == torch.float32 else None
-        if absmax is None:
-            return g @ layer.dequantized(g.dtype), None
-        g2 = g.reshape(-1, g.shape[-1])
-        gx = None
-        for a, b in _row_blocks(layer):
-            w = _dequantize_rows(layer, absmax, a, b)
-            gx = g2[:, a:b] @ w if gx is None else gx.addmm_(g2[:, a:b], w)
-        return gx.view(*g.shape[:-1], -1), None
+        return _input_grad(ctx.layer, g), None
+
+
+def _input_grad(layer, g: torch.Tensor) -> torch.Tensor:
+    """``g W`` with the 4-bit weight dequantized (in row pieces where the kernel applies)."""
+    absmax = _absmax_for_kernel(layer) if g.dtype == layer.compute_dtype == torch.float32 else None
+    if absmax is None:
+        return g @ layer.dequantized(g.dtype)
+    g2 = g.reshape(-1, g.shape[-1])
+    gx = None
+    for a, b in _row_blocks(layer):
+        w = _dequantize_rows(layer, absmax, a, b)
+        gx = g2[:, a:b] @ w if gx is None else gx.addmm_(g2[:, a:b], w)
+    return gx.view(*g.shape[:-1], -1)
 
 
 class LoRALinear4bit(LoRALinear):
@@ -289,6 +293,10 @@ class LoRALinear4bit(LoRALinear):
 
     def delta_weight(self) -> torch.Tensor:
         return (LoRAMergedLinear if self.enable_lora else LoRALinear).delta_weight(self)
+
+    def input_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """``g W`` of the dequantized base weight (``_Matmul4bit``'s backward)."""
+        return _input_grad(self, g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Matmul4bit.apply(x, self)

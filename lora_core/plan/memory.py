@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.allocator import wanted as under_tcmalloc
 from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, run_trims
+from ..train.recompute import mlp_chunk_rows
 
 MB = 2**20
 METHODS = ("full", "lora", "qlora")
@@ -132,6 +133,10 @@ class System:
     # too, gathered through the step; stage 3 every weight), "deepspeed" (stage 2 keeps the weights
     # whole), "mpi" (Jittor's: the AdamW moments only; no stage 3)
     zero_engine: str = "fsdp2"
+    # activation checkpointing of a Llama layer whose MLP is frozen (LoRA on attention only) keeps
+    # the MLP's input alone and runs its backward in pieces of ``mlp_chunk_rows`` tokens
+    # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
+    gc_frozen_mlp: bool = False
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
     # that does not (the fields above are those of one that does)
@@ -169,7 +174,7 @@ SYSTEMS: dict[str, System] = {
                          # the six shapes' rows at 98c5579/dd3853f (docs/planning.md)
                          tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.664, "heap": 0.371, "heap_layers": 0.0,
                                    "full_heap": 0.0},
-                         autocast=True, note="PyTorch CPU, backends.torch"),
+                         autocast=True, gc_frozen_mlp=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
@@ -186,7 +191,7 @@ SYSTEMS: dict[str, System] = {
     # shape (Llama-3.2-1B widths, 4 layers, batch 4 x 512): max error 6.0% (ours), 4.3% (HF);
     # act_scale ~2 x the bf16 count: under autocast the norms and the residual stream stay fp32
     "ours-torch-cuda": System("ours-torch-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
-                              act_scale=1.95, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5,
+                              act_scale=1.95, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5, gc_frozen_mlp=True,
                               note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on one H200 run, one shape"),
     "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
@@ -423,19 +428,31 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
     return weights, mapped, grads, trainable * opt_b / shard_opt
 
 
+def frozen_mlp_pieces(a: Arch, c: PlanConfig, sysm: System) -> bool:
+    """Whether a GC run's recomputed layer keeps of its MLP only the input (``System.gc_frozen_mlp``:
+    a Llama layer whose gate, up and down projections are frozen, float32)."""
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    return (sysm.gc_frozen_mlp and c.gc and a.kind == "llama" and c.method != "full" and not mlp & set(c.targets)
+            and c.precision == "fp32")  # fmt: skip
+
+
 def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantized: int):
     """Live activations at the peak, the retained heap, and the counted parts (bytes)."""
     ab = 2 if c.precision == "bf16" else 4
     N, ceil = c.batch * c.seq, sysm.heap_ceiling_mb
     nogc = sum(per_layer.values())
-    saved = a.layers * a.hidden + nogc if c.gc else a.layers * nogc  # GC: each layer's input, one layer recomputed
+    transient = (5 * a.ffn + 2 * a.hidden) * ab  # SwiGLU's backward: its gradient, sigmoid, products, both grads
+    recomputed = nogc
+    if frozen_mlp_pieces(a, c, sysm):  # the MLP keeps its input, not gate and up; its backward in pieces
+        recomputed += a.hidden - per_layer["SwiGLU (gate, up[, silu])"]
+        transient = (5 * a.ffn * mlp_chunk_rows(N, a.ffn, ab) / N + 2 * a.hidden) * ab
+    saved = a.layers * a.hidden + recomputed if c.gc else a.layers * nogc  # GC: each layer's input, one layer recomputed
     # LM head and loss (fp32): the final norm's input (and the head's, trained), log-softmax's
     # output (+ the logits where the caller holds them), then two (N, V) gradients
     nv = 4 * N * a.vocab
     # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
     frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
     head = 4 * (a.hidden * (2 if c.method == "full" else 1) + (sysm.head_nv_frozen if frozen_head else sysm.head_nv) * a.vocab)
-    transient = (5 * a.ffn + 2 * a.hidden) * ab  # SwiGLU's backward: its gradient, sigmoid, products, both grads
     counted = N * (saved * ab + head + transient)
     proj = [i * o for i, o in a.proj.values()]
     if c.method == "full":  # the embedding's backward, once the activations are freed
