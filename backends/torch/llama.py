@@ -184,11 +184,14 @@ class FrozenMLP(torch.autograd.Function):
         n = x2.shape[0]
         rows = mlp_chunk_rows(n, mlp.gate_proj.out_features, xn.element_size())
         out = torch.empty_like(x2)
-        for a in range(0, n, rows):
-            with torch.enable_grad():
-                xc = x2[a : a + rows].detach().requires_grad_()
-                h = SwiGLU.apply(mlp.gate_proj(xc), mlp.up_proj(xc))
-            (out[a : a + rows],) = torch.autograd.grad(h, xc, mlp.down_proj.input_grad(g2[a : a + rows]))
+        for a in range(0, n, rows):  # SwiGLU's backward as SwiGLU.backward takes it, then gate's and up's
+            xc = x2[a : a + rows]
+            gate, up = mlp.gate_proj(xc), mlp.up_proj(xc)
+            dh = mlp.down_proj.input_grad(g2[a : a + rows])
+            d_up = dh * F.silu(gate)
+            d_gate = torch.ops.aten.silu_backward(dh.mul_(up), gate)
+            del gate, up, dh
+            out[a : a + rows] = mlp.gate_proj.input_grad(d_gate).add_(mlp.up_proj.input_grad(d_up))
         return out.view_as(xn), None, None
 
 
