@@ -66,10 +66,16 @@ def test_offset_is_torchs_mean(n):
     assert _bits(torch.from_numpy(x).mean()) == _bits(ours)
 
 
+@pytest.mark.parametrize("piece", [None, 128])
 @pytest.mark.parametrize("blocksize", [64, 32, 128])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
-def test_quantize_matches_bitsandbytes(name, dtype, blocksize):
+def test_quantize_matches_bitsandbytes(name, dtype, blocksize, piece, monkeypatch):
+    """Byte for byte bitsandbytes' state; ``piece``: the spec quantizing 128 elements at a time
+    (``nf4.QUANT_PIECE``; whole blocks, the last piece with the odd tail), as it does 1 M at a
+    time with a real weight."""
+    if piece is not None:
+        monkeypatch.setattr(nf4, "QUANT_PIECE", piece)
     w = WEIGHTS[name]
     t, q, st = _bnb(w, blocksize, getattr(torch, dtype))
     s = nf4.quantize_nf4(t.float().numpy(), blocksize, dtype=dtype, threads=torch.get_num_threads())
