@@ -430,10 +430,11 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
 
 def frozen_mlp_pieces(a: Arch, c: PlanConfig, sysm: System) -> bool:
     """Whether a GC run's recomputed layer keeps of its MLP only the input (``System.gc_frozen_mlp``:
-    a Llama layer whose gate, up and down projections are frozen, float32)."""
+    a Llama layer whose gate, up and down projections are frozen, float32, without ZeRO, whose
+    engines run each layer with their hooks: recomputed whole)."""
     mlp = {"gate_proj", "up_proj", "down_proj"}
     return (sysm.gc_frozen_mlp and c.gc and a.kind == "llama" and c.method != "full" and not mlp & set(c.targets)
-            and c.precision == "fp32")  # fmt: skip
+            and c.precision == "fp32" and not c.zero)  # fmt: skip
 
 
 def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantized: int):

@@ -64,6 +64,17 @@ SUPERSEDED.update({
 })
 SUPERSEDED.update({("lm_methods_gpt2_d00b994.json", "ours-torch" + (f" {m}" if m != "lora" else "")): _TORCH_4A04648
                    for m in ("lora", "lora-gc", "qlora", "qlora-gc")})  # fmt: skip
+# ours-torch under tcmalloc before 845bfba: GC kept a frozen MLP's gate and up for the whole batch
+# (lora_core.train.recompute, since 535a677) and the 4-bit loader quantized each tensor whole, ~4x
+# its float32 bytes of temporaries (nf4.QUANT_PIECE, since 845bfba): those rows measured again
+# (the files named ``-torch-tcmalloc_845bfba``)
+_TORCH_845BFBA = "measured before 845bfba (GC's frozen MLP in pieces, NF4 quantized in pieces)"
+SUPERSEDED.update({
+    (f"lm_methods_{name}-torch-tcmalloc_{code}.json", f"ours-torch {m}"): _TORCH_845BFBA
+    for name, code in (("llama-3.2-1b-L2", "dd3853f"), ("llama-3.2-1b", "dd3853f"), ("llama-3.2-3b-L2-v512", "98c5579"),
+                       ("llama-bench-L4-b4x128", "98c5579"), ("llama-bench", "98c5579"), ("tiny-llama", "98c5579"))
+    for m in ("lora-gc", "qlora", "qlora-gc")
+})  # fmt: skip
 
 # rows the planner misses by more than 10%, each with the bound it is tested at (docs/planning.md):
 # hf-peft's three fitted constants cannot hold all its Llama rows within 10% (the minimax fit
