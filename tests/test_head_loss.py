@@ -67,13 +67,19 @@ CASES = {"gpt2": lambda bk: _gpt2(bk), "llama-tied": lambda bk: _llama(bk, True)
          "llama-untied": lambda bk: _llama(bk, False)}  # fmt: skip
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_frozen_head_loss_equals_plain_path(case, eps, monkeypatch):
+def test_frozen_head_loss_equals_plain_path(case, eps, pieces, monkeypatch):
+    """``pieces``: the logits taken 5 positions at a time (``heap.HEAD_PIECE_BYTES``), the batch's
+    17 in four pieces, as an LLM's are 65 at a time."""
     import backends.torch as bk
 
     model, vocab = CASES[case](bk)
     batch = _batch(vocab)
+    if pieces:
+        monkeypatch.setattr(heap, "HEAD_PIECE_BYTES", 5 * vocab * 4)
+        assert heap.head_piece_rows(len(batch["targets"]), vocab) == 5 < len(batch["targets"])
     loss, grads = _loss_and_grads(model, batch, eps, False, monkeypatch)
     ref_loss, ref_grads = _loss_and_grads(model, batch, eps, True, monkeypatch)
     assert grads.keys() == ref_grads.keys() and grads

@@ -160,11 +160,11 @@ class SwiGLU(torch.autograd.Function):
 
 
 class FrozenMLP(torch.autograd.Function):
-    """``mlp(xn)`` for an MLP whose three projections are frozen without LoRA, keeping only ``xn``
-    for the backward pass, which recomputes ``gate`` and ``up`` and takes the input gradient
-    ``mlp_chunk_rows`` tokens at a time (``lora_core.train.recompute``): the same products as
-    the layer's recomputation up to ``down_proj`` followed by autograd's backward, without a
-    (tokens, intermediate) tensor of the whole batch. Used inside a checkpointed layer
+    """``mlp(xn)`` for an MLP whose three projections are frozen without LoRA, ``mlp_chunk_rows``
+    tokens at a time (``lora_core.train.recompute``), keeping only ``xn`` for the backward pass,
+    which recomputes ``gate`` and ``up`` and takes the input gradient in the same pieces: the same
+    products as the layer's recomputation up to ``down_proj`` followed by autograd's backward,
+    without a (tokens, intermediate) tensor of the whole batch. Used inside a checkpointed layer
     (:func:`checkpointed_frozen_mlp`), whose recomputation passes ``skip``: the MLP's output is
     not needed there, only ``xn`` saved again."""
 
@@ -172,9 +172,13 @@ class FrozenMLP(torch.autograd.Function):
     def forward(ctx, xn, mlp, skip: bool = False):
         ctx.mlp = mlp
         ctx.save_for_backward(xn)
-        if skip:
-            return xn.new_empty(*xn.shape[:-1], mlp.down_proj.out_features)
-        return mlp(xn)
+        x2 = xn.reshape(-1, xn.shape[-1])
+        out = x2.new_empty(x2.shape[0], mlp.down_proj.out_features)
+        if not skip:  # in pieces too: no (tokens, intermediate) tensor of the whole batch here either
+            rows = mlp_chunk_rows(x2.shape[0], mlp.gate_proj.out_features, xn.element_size())
+            for a in range(0, x2.shape[0], rows):
+                out[a : a + rows] = mlp(x2[a : a + rows])
+        return out.view(*xn.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, g):

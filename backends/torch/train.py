@@ -44,41 +44,49 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float 
 
 
 class _HeadNLL(torch.autograd.Function):
-    """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (N, V) logits live only
-    inside this forward: the input gradient is computed here at once (the logits overwritten in
-    place by ``softmax - (1-eps) onehot - eps/V``, then ``head``'s own backward from them) and
+    """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (rows, V) logits live only
+    inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: 32 MB of
+    float32 logits): each piece's input gradient is computed here at once (its logits overwritten
+    in place by ``softmax - (1-eps) onehot - eps/V``, then ``head``'s own backward from them) and
     kept, (N, E), for the backward pass, scaled there per position. The plain path keeps the
     log-probabilities from the forward pass to the backward one and adds two more (N, V) tensors
     there (the gradients of the log-probabilities and of the logits): at Llama 3's 128k vocabulary
-    and 256 tokens each is 131 MB. The same products, so the same time."""
+    and 256 tokens each is 131 MB, at 4 x 512 tokens 1 GB, where a piece is 32 MB. The same
+    products, in pieces of rows, so the same time."""
 
     @staticmethod
-    def forward(ctx, h, head, targets, label_smooth):
-        with torch.enable_grad():
-            leaf = h.detach().requires_grad_()
-            logits = head(leaf)
-        x = logits.detach().float()  # the logits themselves in fp32 (their backward does not read them)
-        n, v = x.shape
+    def forward(ctx, h, head, targets, label_smooth, rows):
+        n = h.shape[0]
         eps = float(label_smooth)
-        nll = x.gather(1, targets[:, None]).squeeze(1).neg_()
-        if eps > 0:
-            nll = (1.0 - eps) * nll - eps * x.mean(dim=-1)
-        top = x.amax(dim=-1, keepdim=True)
-        x.sub_(top).exp_()
-        total = x.sum(dim=-1, keepdim=True)
-        nll += (top + total.log()).squeeze(1)  # log-sum-exp: (1-eps) + eps of it
-        x.div_(total)  # softmax
-        if eps > 0:
-            x.sub_(eps / v)
-        x.scatter_add_(1, targets[:, None], x.new_full((n, 1), eps - 1.0))
-        (grad,) = torch.autograd.grad(logits, leaf, x.to(logits.dtype))
+        nll = torch.empty(n, dtype=torch.float32, device=h.device)
+        grad = torch.empty_like(h)
+        for a in range(0, n, rows):
+            with torch.enable_grad():
+                leaf = h[a : a + rows].detach().requires_grad_()
+                logits = head(leaf)
+            x = logits.detach().float()  # the logits themselves in fp32 (their backward does not read them)
+            m, v = x.shape
+            t = targets[a : a + rows, None]
+            piece = x.gather(1, t).squeeze(1).neg_()
+            if eps > 0:
+                piece = (1.0 - eps) * piece - eps * x.mean(dim=-1)
+            top = x.amax(dim=-1, keepdim=True)
+            x.sub_(top).exp_()
+            total = x.sum(dim=-1, keepdim=True)
+            nll[a : a + rows] = piece + (top + total.log()).squeeze(1)  # log-sum-exp: (1-eps) + eps of it
+            x.div_(total)  # softmax
+            if eps > 0:
+                x.sub_(eps / v)
+            x.scatter_add_(1, t, x.new_full((m, 1), eps - 1.0))
+            (grad[a : a + rows],) = torch.autograd.grad(logits, leaf, x.to(logits.dtype))
+            del logits, x, leaf  # this piece's (rows, V) tensors gone before the next one's
         ctx.save_for_backward(grad)
         return nll
 
     @staticmethod
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return grad * g[:, None].to(grad.dtype), None, None, None
+        return grad * g[:, None].to(grad.dtype), None, None, None, None
 
 
 def _head_trains(model, h) -> bool:
@@ -90,12 +98,14 @@ def _head_trains(model, h) -> bool:
 
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
     """Mean over loss positions of ``(1-eps)*NLL + eps*mean(-log p)`` (LM head only there);
-    with a frozen head whose logits take ``heap.HEAD_FUSED_MIN_BYTES`` or more, the (N, V)
-    tensors are not kept for the backward pass (``_HeadNLL``)."""
+    with a frozen head whose logits take ``heap.HEAD_FUSED_MIN_BYTES`` or more, no (N, V)
+    tensor is kept for the backward pass and the logits are taken in pieces (``_HeadNLL``)."""
     h, targets = _loss_hidden(model, batch)
-    big = h.shape[0] * model.config.vocab_size * 4 >= heap.HEAD_FUSED_MIN_BYTES
+    vocab = model.config.vocab_size
+    big = h.shape[0] * vocab * 4 >= heap.HEAD_FUSED_MIN_BYTES
     if big and torch.is_grad_enabled() and h.requires_grad and not _head_trains(model, h):
-        return _HeadNLL.apply(h, model.lm_logits, targets, label_smooth).mean()
+        rows = heap.head_piece_rows(h.shape[0], vocab)
+        return _HeadNLL.apply(h, model.lm_logits, targets, label_smooth, rows).mean()
     return _token_nll(model.lm_logits(h), targets, label_smooth).mean()
 
 

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.allocator import wanted as under_tcmalloc
-from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, run_trims
+from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, head_piece_rows, run_trims
 from ..train.recompute import mlp_chunk_rows
 
 MB = 2**20
@@ -137,6 +137,9 @@ class System:
     # the MLP's input alone and runs its backward in pieces of ``mlp_chunk_rows`` tokens
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
     gc_frozen_mlp: bool = False
+    # the frozen-head loss takes its logits in pieces of ``head_piece_rows`` positions (ours-torch
+    # since <HEADSHA>; its CUDA twin's constants were fitted on a run before: whole logits)
+    head_pieces: bool = False
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
     # that does not (the fields above are those of one that does)
@@ -174,7 +177,7 @@ SYSTEMS: dict[str, System] = {
                          # the six shapes' rows at 98c5579/dd3853f (docs/planning.md)
                          tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.664, "heap": 0.371, "heap_layers": 0.0,
                                    "full_heap": 0.0},
-                         autocast=True, gc_frozen_mlp=True, note="PyTorch CPU, backends.torch"),
+                         autocast=True, gc_frozen_mlp=True, head_pieces=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
@@ -453,7 +456,10 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     nv = 4 * N * a.vocab
     # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
     frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
-    head = 4 * (a.hidden * (2 if c.method == "full" else 1) + (sysm.head_nv_frozen if frozen_head else sysm.head_nv) * a.vocab)
+    # ... and takes them in pieces of rows (System.head_pieces): one piece's (rows, V) at a time
+    piece = head_piece_rows(N, a.vocab) / N if frozen_head and sysm.head_pieces else 1.0
+    head = 4 * (a.hidden * (2 if c.method == "full" else 1)
+                + (sysm.head_nv_frozen * piece if frozen_head else sysm.head_nv) * a.vocab)  # fmt: skip
     counted = N * (saved * ab + head + transient)
     proj = [i * o for i, o in a.proj.values()]
     if c.method == "full":  # the embedding's backward, once the activations are freed
@@ -465,7 +471,8 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
     # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
     layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs, sysm.gelu_allocs).items() if _below(N * w * ab, ceil))
-    heap = layer + ((1 if frozen_head else 4) * nv if _below(nv, ceil) else 0)
+    nv_heap = nv * piece if frozen_head else 4 * nv  # the head's (N, V) allocations (one piece's)
+    heap = layer + (nv_heap if _below(nv * piece if frozen_head else nv, ceil) else 0)
     heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized and sysm.deq_buffer_mb is None else 0
     retained = sysm.heap * heap + sysm.heap_layers * a.layers * layer  # and it grows by layer
     if c.method == "full":  # activations freed in the heap stay with the gradients

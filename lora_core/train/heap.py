@@ -45,6 +45,17 @@ import os
 # which the three (N, V) tensors the plain path keeps come from (and stay in) the heap; smaller
 # heads keep the plain path (log-softmax's own kernels, the bits of earlier versions)
 HEAD_FUSED_MIN_BYTES = 32 << 20
+# ... and takes them in pieces of rows of at most this many bytes of float32 logits: at Llama 3's
+# 128256-token vocabulary and 4 x 512 tokens the whole (N, V) logits are 1 GB, a piece 32 MB
+HEAD_PIECE_BYTES = 32 << 20
+
+
+def head_piece_rows(tokens: int, vocab: int) -> int:
+    """Loss positions per piece of the frozen-head loss (``HEAD_PIECE_BYTES`` of float32 logits,
+    at least one row, at most ``tokens``): 65 at a 128256-token vocabulary, 1048 at 8000."""
+    if tokens < 1 or vocab < 1:
+        raise ValueError(f"head_piece_rows needs positive sizes, got tokens={tokens}, vocab={vocab}")
+    return min(tokens, max(1, HEAD_PIECE_BYTES // (4 * vocab)))
 
 _LIBC: list = []
 
