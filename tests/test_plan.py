@@ -91,11 +91,35 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
 def test_gc_keeps_one_layer_input_per_layer():
     cfg = PRESETS["llama-bench"]
     c = dict(method="lora", batch=2, seq=16, heap_trim="on", allocator="glibc")  # the same constants with and without GC
-    on, off = plan(cfg, PlanConfig(**c, gc=True)), plan(cfg, PlanConfig(**c, gc=False))
+    whole = dataclasses.replace(SYSTEMS["ours-torch"], gc_frozen_mlp=False)  # the recomputed layer kept whole
+    on, off = plan(cfg, PlanConfig(**c, gc=True), whole), plan(cfg, PlanConfig(**c, gc=False), whole)
     assert on.per_layer_gc * MB == 2 * 16 * cfg.hidden_size * 4
     L, scale = cfg.num_hidden_layers, SYSTEMS["ours-torch"].act_scale
     saved_off, saved_on = L * off.per_layer_nogc, L * on.per_layer_gc + on.per_layer_nogc
     assert off.activations - on.activations == pytest.approx((saved_off - saved_on) * scale, rel=1e-9)
+
+
+def test_gc_keeps_of_a_frozen_mlp_its_input_and_takes_its_backward_in_pieces():
+    """ours-torch (``System.gc_frozen_mlp``): with LoRA on attention only, the recomputed layer keeps
+    the MLP's input instead of SwiGLU's gate and up, and its backward's five (tokens, intermediate)
+    tensors span one piece of ``mlp_chunk_rows`` tokens; not with LoRA on an MLP projection, full
+    FT, ZeRO (its engines' hooks) or bf16 (autocast)."""
+    from lora_core.train.recompute import mlp_chunk_rows
+
+    cfg, s = PRESETS["llama-bench"], SYSTEMS["ours-torch"]
+    E, F, N = cfg.hidden_size, cfg.intermediate_size, 4 * 512
+    c = PlanConfig(method="lora", batch=4, seq=512, gc=True, heap_trim="on", allocator="glibc")
+    whole = dataclasses.replace(s, gc_frozen_mlp=False)
+    rows = mlp_chunk_rows(N, F)
+    assert rows == 320 and mlp_chunk_rows(100, F) == 100 and mlp_chunk_rows(N, 8192) == 128
+    saved = 4 * N * (s.silu_saved * F - E) + 4 * 5 * F * (N - rows)
+    assert plan(cfg, c, whole).activations - plan(cfg, c).activations == pytest.approx(s.act_scale * saved / MB)
+    for kw in (dict(targets=("q_proj", "v_proj", "up_proj")), dict(method="full"), dict(zero=2, ranks=2),
+               dict(precision="bf16"), dict(gc=False)):
+        other = dataclasses.replace(c, **kw)
+        assert plan(cfg, other).activations == pytest.approx(plan(cfg, other, whole).activations), kw
+    with pytest.raises(ValueError, match="positive"):
+        mlp_chunk_rows(0, F)
 
 
 def test_full_ft_adds_the_embedding_backward_buffers():
@@ -120,18 +144,24 @@ def test_heap_keeps_only_tensors_below_the_mmap_ceiling():
 
 def test_frozen_head_keeps_one_logits_tensor_from_32_mb():
     """ours-torch's loss with a frozen head (``head_nv_frozen``): one (N, V) tensor alive at the
-    head where the logits take ``HEAD_FUSED_MIN_BYTES`` or more, the plain path's three below;
-    full FT (a trained head) always three."""
-    from lora_core.train.heap import HEAD_FUSED_MIN_BYTES
+    head where the logits take ``HEAD_FUSED_MIN_BYTES`` or more, one piece of it
+    (``head_piece_rows``, ``System.head_pieces``), the plain path's three below; full FT (a
+    trained head) always three."""
+    from lora_core.train.heap import HEAD_FUSED_MIN_BYTES, HEAD_PIECE_BYTES, head_piece_rows
 
     s = SYSTEMS["ours-torch"]
-    assert s.head_nv_frozen == 1 and s.head_nv == 3 and HEAD_FUSED_MIN_BYTES == 32 * MB
+    assert s.head_nv_frozen == 1 and s.head_nv == 3 and s.head_pieces and HEAD_FUSED_MIN_BYTES == HEAD_PIECE_BYTES == 32 * MB
+    assert head_piece_rows(256, 128256) == 65 and head_piece_rows(2048, 8000) == 1048 and head_piece_rows(10, 8000) == 10
     cfg = llama_config("llama-bench", vocab_size=128256)
     per_nv = 256 * 128256 * 4 / MB * s.act_scale
+    whole = dataclasses.replace(s, head_pieces=False)
+    c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on", allocator="glibc")
+    assert plan(cfg, c, whole).activations - plan(cfg, c).activations == pytest.approx((1 - 65 / 256) * per_nv)
+    s = whole
     for method, nvs in (("lora", 1), ("full", 3)):
         c = PlanConfig(method=method, batch=1, seq=256, heap_trim="on", allocator="glibc")
         plain = plan(cfg, c, dataclasses.replace(s, head_nv_frozen=None))
-        assert plain.activations - plan(cfg, c).activations == pytest.approx((3 - nvs) * per_nv if method == "lora" else 0)
+        assert plain.activations - plan(cfg, c, s).activations == pytest.approx((3 - nvs) * per_nv if method == "lora" else 0)
     small = llama_config("llama-bench", vocab_size=8000)  # 256 x 8000 x 4 = 7.8 MB: the plain path
     c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on", allocator="glibc")
     assert plan(small, c).activations == pytest.approx(plan(small, c, dataclasses.replace(s, head_nv_frozen=None)).activations)
@@ -282,6 +312,9 @@ def test_predictions_within_ten_percent_of_the_bench(path):
     """Every measured row's peak anonymous memory (rows of ``validate.SUPERSEDED``, measured
     before a change of the code they measure, left out)."""
     rows = check(bench_rows([path]))
+    if not rows:  # every row measured again since, in another file
+        assert all((path.name, key) in SUPERSEDED for key in json.loads(path.read_text())["raw"]), path.name
+        return
     bad = [f"{r['system']} {r['method']}: predicted {r['predicted']:.0f} MB, measured {r['measured']:.0f} MB "
            f"({r['error_pct']:+.1f}%)" for r in rows
            if abs(r["error_pct"]) >= OUTSIDE.get((path.name, f"{r['system']} {r['method']}"), 10.0)]  # fmt: skip

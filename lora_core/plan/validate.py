@@ -64,16 +64,21 @@ SUPERSEDED.update({
 })
 SUPERSEDED.update({("lm_methods_gpt2_d00b994.json", "ours-torch" + (f" {m}" if m != "lora" else "")): _TORCH_4A04648
                    for m in ("lora", "lora-gc", "qlora", "qlora-gc")})  # fmt: skip
-# ours-torch under tcmalloc before 845bfba: GC kept a frozen MLP's gate and up for the whole batch
-# (lora_core.train.recompute, since 535a677) and the 4-bit loader quantized each tensor whole, ~4x
-# its float32 bytes of temporaries (nf4.QUANT_PIECE, since 845bfba): those rows measured again
-# (the files named ``-torch-tcmalloc_845bfba``)
-_TORCH_845BFBA = "measured before 845bfba (GC's frozen MLP in pieces, NF4 quantized in pieces)"
+# ours-torch's GC, QLoRA and frozen-head rows before 954ff8f: GC kept a frozen MLP's gate and up for
+# the whole batch (its MLP in pieces of tokens since 535a677, lora_core.train.recompute), the 4-bit
+# loader quantized each tensor whole, ~4x its float32 bytes of temporaries (nf4.QUANT_PIECE, 845bfba),
+# and the frozen-head loss took the whole (N, V) logits (32 MB pieces since 954ff8f: the 128k-vocabulary
+# and GPT-2 rows): those rows measured again, under both mallocs (the files named ``-torch-*_954ff8f``)
+_TORCH_954FF8F = "measured before 954ff8f (GC's frozen MLP, NF4 quantization and the frozen-head logits in pieces)"
+_WIDE_VOCAB = ("llama-3.2-1b-L2", "llama-3.2-1b")
 SUPERSEDED.update({
-    (f"lm_methods_{name}-torch-tcmalloc_{code}.json", f"ours-torch {m}"): _TORCH_845BFBA
-    for name, code in (("llama-3.2-1b-L2", "dd3853f"), ("llama-3.2-1b", "dd3853f"), ("llama-3.2-3b-L2-v512", "98c5579"),
-                       ("llama-bench-L4-b4x128", "98c5579"), ("llama-bench", "98c5579"), ("tiny-llama", "98c5579"))
-    for m in ("lora-gc", "qlora", "qlora-gc")
+    (f"lm_methods_{name}-torch{variant}.json", "ours-torch" + (f" {m}" if m != "lora" else "")): _TORCH_954FF8F
+    for name, variant in (("llama-3.2-1b-L2", "-tcmalloc_dd3853f"), ("llama-3.2-1b", "-tcmalloc_dd3853f"),
+                          ("llama-3.2-3b-L2-v512", "-tcmalloc_98c5579"), ("llama-bench-L4-b4x128", "-tcmalloc_98c5579"),
+                          ("llama-bench", "-tcmalloc_98c5579"), ("tiny-llama", "-tcmalloc_98c5579"),
+                          ("llama-3.2-1b-L2", "_4a04648"), ("llama-3.2-1b", "_4a04648"), ("llama-3.2-3b-L2-v512", "_4a04648"),
+                          ("llama-bench-L4-b4x128", "_4a04648"), ("llama-bench", "_4a04648"), ("gpt2", "_4a04648"))
+    for m in ("lora-gc", "qlora", "qlora-gc") + (("lora",) if name in _WIDE_VOCAB + ("gpt2",) else ())
 })  # fmt: skip
 
 # rows the planner misses by more than 10%, each with the bound it is tested at (docs/planning.md):
@@ -93,24 +98,11 @@ OUTSIDE = {
         ("lm_zero_llama-bench_78c7bc5.json", "hf-peft qlora-z3"), ("lm_zero_llama-bench-jittor_143df4c.json", "ours-jittor qlora-z2"),
         ("lm_zero_llama-bench-L4-b4x128_b841e26.json", "ours-torch lora-z3"))},
     ("lm_zero_llama-bench-L4-b4x128_b841e26.json", "ours-jittor lora-z2"): 20.0,
-    # ours-torch since 4a04648 (the heap trimmed at each Llama layer, two constants fitted: docs/planning.md):
-    # eight Llama rows between 10 and 12.3%; its FSDP2 stage-3 LoRA rows and the L4 full FT row
-    # over-predicted by 12-19% (the gathered layers counted twice: what the trim returns of them
-    # was not isolated)
-    **{(f"lm_methods_{f}-torch_4a04648.json", f"ours-torch {m}"): 13.0 for f, m in (
-        ("llama-3.2-1b", "lora"), ("llama-3.2-3b-L2-v512", "qlora-gc"), ("llama-bench-L4-b4x128", "full"),
-        ("llama-bench-L4-b4x128", "full-gc"), ("llama-bench-L4-b4x128", "lora-gc"), ("llama-bench-L4-b4x128", "qlora-gc"),
-        ("llama-bench", "lora-gc"), ("llama-bench", "qlora-gc"))},
+    # ours-torch's FSDP2 stage-3 rows at 4a04648 (the heap trimmed per layer), over-predicted by 12-19%:
+    # the gathered layers counted twice, what the trim returns of them not isolated
     **{(f"lm_zero_{f}-torch_4a04648.json", f"ours-torch {m}"): 20.0 for f, m in (
         ("llama-bench", "lora-z3"), ("llama-bench", "lora-z3-gc"), ("llama-bench-L4-b4x128", "lora-z3"),
         ("llama-bench-L4-b4x128", "full-z3"))},
-    # ours-torch under tcmalloc (lora_core.train.allocator, the default since dd3853f; heap and act_scale
-    # fitted on its 36 rows): six rows between 10 and 14.5%, wide models under-predicted (Llama-3.2-1B's
-    # LoRA, the 3B widths' QLoRA+GC) and llama-bench's GC rows over-predicted: docs/planning.md
-    **{(f"lm_methods_{f}-torch-tcmalloc_{c}.json", f"ours-torch {m}"): 15.0 for f, c, m in (
-        ("llama-3.2-1b", "dd3853f", "lora"), ("llama-3.2-1b", "dd3853f", "qlora-gc"),
-        ("llama-3.2-3b-L2-v512", "98c5579", "qlora-gc"), ("llama-bench-L4-b4x128", "98c5579", "lora-gc"),
-        ("llama-bench-L4-b4x128", "98c5579", "qlora-gc"), ("llama-bench", "98c5579", "qlora-gc"))},
     # its ZeRO rows under tcmalloc (a6996ff): seven of eight within 10%, QLoRA-z3+GC -11.2%
     ("lm_zero_llama-bench-torch-tcmalloc_a6996ff.json", "ours-torch qlora-z3-gc"): 15.0,
     **{(_GPT2, f"ours-jittor {m}"): b for m, b in (("full", 20.0), ("full-gc", 20.0), ("lora", 12.0), ("lora-gc", 25.0),
