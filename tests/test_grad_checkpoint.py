@@ -254,6 +254,7 @@ def test_torch_llama_frozen_mlp_backward_in_pieces(masks, monkeypatch):
 
     bk, cfg, model, source = _torch_tiny_llama(masks, ("q_proj", "k_proj", "v_proj", "o_proj"))
     monkeypatch.setattr(recompute, "MLP_CHUNK_BYTES", 64 * cfg.intermediate_size * 4)
+    monkeypatch.setattr(recompute, "MLP_FORWARD_CHUNK_BYTES", 64 * cfg.intermediate_size * 4)
     assert all(block.mlp_frozen() for block in model.model.layers)
     batch = _lm_batch(cfg.vocab_size)
     assert len(batch["token_index"]) > 64  # more than one piece

@@ -112,6 +112,7 @@ def test_gc_keeps_of_a_frozen_mlp_its_input_and_takes_its_backward_in_pieces():
     whole = dataclasses.replace(s, gc_frozen_mlp=False)
     rows = mlp_chunk_rows(N, F)
     assert rows == 320 and mlp_chunk_rows(100, F) == 100 and mlp_chunk_rows(N, 8192) == 128
+    assert mlp_chunk_rows(N, F, forward=True) == 1472 and mlp_chunk_rows(N, 8192, forward=True) == 512
     saved = 4 * N * (s.silu_saved * F - E) + 4 * 5 * F * (N - rows)
     assert plan(cfg, c, whole).activations - plan(cfg, c).activations == pytest.approx(s.act_scale * saved / MB)
     for kw in (dict(targets=("q_proj", "v_proj", "up_proj")), dict(method="full"), dict(zero=2, ranks=2),

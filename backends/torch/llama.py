@@ -175,7 +175,7 @@ class FrozenMLP(torch.autograd.Function):
         x2 = xn.reshape(-1, xn.shape[-1])
         out = x2.new_empty(x2.shape[0], mlp.down_proj.out_features)
         if not skip:  # in pieces too: no (tokens, intermediate) tensor of the whole batch here either
-            rows = mlp_chunk_rows(x2.shape[0], mlp.gate_proj.out_features, xn.element_size())
+            rows = mlp_chunk_rows(x2.shape[0], mlp.gate_proj.out_features, xn.element_size(), forward=True)
             for a in range(0, x2.shape[0], rows):
                 out[a : a + rows] = mlp(x2[a : a + rows])
         return out.view(*xn.shape[:-1], -1)
