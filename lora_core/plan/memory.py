@@ -166,18 +166,17 @@ class System:
 SYSTEMS: dict[str, System] = {
     # Llama with the heap trimmed at each layer (4a04648; by default since c2cfa46 only with GC or
     # a 4-bit base): no growth by layer, nothing of full FT's activations kept, heap and act_scale
-    # fitted (refitted at 954ff8f, GC's MLP, NF4 quantization and the frozen-head logits in pieces:
+    # fitted (refitted at fb02de2, GC's MLP, NF4 quantization and the frozen-head logits in pieces:
     # its GC and QLoRA rows measured again); a run that does not trim (GPT-2's layers never do) keeps
     # the constants fitted before 4a04648 on the Llama rows measured without trimming
     "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=0.0, mapped_kinds=("llama",),
-                         act_scale=0.955, heap=0.385, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
+                         act_scale=0.875, heap=0.461, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
                          trim_kinds=("llama",),
                          untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
                          # under tcmalloc (lora_core.train.allocator; the commands' default since dd3853f):
                          # baseline and load measured (tiny-llama's rows), heap and act_scale fitted on
-                         # the six shapes' rows at 98c5579/dd3853f and 954ff8f (docs/planning.md): heap
-                         # ~0, tcmalloc keeps nothing measurable beyond the live tensors
-                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.799, "heap": -0.019, "heap_layers": 0.0,
+                         # the six shapes' rows at 98c5579/dd3853f, 954ff8f and fb02de2 (docs/planning.md)
+                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.767, "heap": 0.134, "heap_layers": 0.0,
                                    "full_heap": 0.0},
                          autocast=True, gc_frozen_mlp=True, head_pieces=True, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
