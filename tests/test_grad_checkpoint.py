@@ -226,6 +226,43 @@ def test_jittor_checkpointing_saves_memory():
     assert ckpt < 0.6 * plain, (ckpt, plain)
 
 
+@pytest.mark.parametrize("four_bit", [False, True])
+def test_input_grad_is_the_frozen_products_backward(backend, four_bit):
+    """``input_grad(g)`` of a frozen ``LoRALinear`` / ``LoRALinear4bit`` (the torch backend's
+    ``FrozenMLP`` takes the down projection's input gradient with it) equals the gradient the
+    framework's own backward gives the input of the frozen base product, in both backends."""
+    import importlib
+
+    from lora_core.quant.nf4 import quantize_nf4
+
+    name = backend.NAME
+    rng = np.random.default_rng(2)
+    w, x, g = (rng.standard_normal(s).astype(np.float32) for s in ((6, 64), (3, 64), (3, 6)))
+    if four_bit:
+        layer = importlib.import_module(f"backends.{name}.quant").LoRALinear4bit(quantize_nf4(w))
+    else:
+        layer = importlib.import_module(f"backends.{name}.lora").LoRALinear(64, 6, bias=False)
+    if name == "torch":
+        import torch
+
+        if not four_bit:
+            layer.weight.data.copy_(torch.from_numpy(w))
+            layer.weight.requires_grad_(False)
+        xt = torch.from_numpy(x).requires_grad_()
+        (layer(xt) * torch.from_numpy(g)).sum().backward()
+        ref, got = xt.grad.numpy(), layer.input_grad(torch.from_numpy(g)).numpy()
+    else:
+        import jittor as jt
+
+        if not four_bit:
+            layer.weight.assign(jt.array(w))
+            layer.weight.stop_grad()
+        xj = jt.array(x)
+        ref = jt.grad((layer(xj) * jt.array(g)).sum(), xj).numpy()
+        got = layer.input_grad(jt.array(g)).numpy()
+    assert_close(f"input_grad vs the framework's backward ({name}, 4-bit {four_bit})", got, ref, 1e-6, floor=1.0)
+
+
 def _torch_tiny_llama(masks: str, targets: tuple[str, ...]):
     """The torch backend's tiny Llama with random LoRA on ``targets`` and its dropout source."""
     bk = lc.get_backend("torch")

@@ -87,6 +87,11 @@ class LoRALinear(nn.Module):
             y = self._lora_out(x, y)
         return y
 
+    def input_grad(self, g: jt.Var) -> jt.Var:
+        """``g W``: the input gradient of the frozen base product for the output gradient ``g``
+        (rows, out) (what the product's backward computes for it); the LoRA pair's part is not in it."""
+        return jt.matmul(g, self.weight)
+
     def merged_weight(self) -> jt.Var:
         """``W + scaling * B A`` (what a merged layer holds), without changing the layer."""
         return self.weight + self.delta_weight() if self.r and not self.merged else self.weight

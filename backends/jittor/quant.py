@@ -88,6 +88,10 @@ class LoRALinear4bit(LoRALinear):
     def delta_weight(self) -> jt.Var:
         return (LoRAMergedLinear if self.enable_lora else LoRALinear).delta_weight(self)
 
+    def input_grad(self, g: jt.Var) -> jt.Var:
+        """``g W`` of the dequantized base weight."""
+        return jt.matmul(g, self.dequantized())
+
     def execute(self, x: jt.Var) -> jt.Var:
         y = frozen_matmul_t(x, self.dequantized())
         if self.bias is not None:
