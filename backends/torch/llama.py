@@ -199,6 +199,12 @@ class FrozenMLP(torch.autograd.Function):
         return out.view_as(xn), None, None
 
 
+def _hooked(*modules) -> bool:
+    """Whether any of ``modules`` runs with forward hooks (FSDP2's ``fully_shard`` gathers its
+    parameters in them): such a layer is recomputed whole under activation checkpointing."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -218,18 +224,22 @@ class LlamaDecoderLayer(nn.Module):
         sharded layer gathers its parameters in its own). Activation checkpointing then leaves
         it out of what is recomputed (:meth:`before_down`)."""
         d = self.mlp.down_proj
-        # a layer with hooks (FSDP2's fully_shard gathers its parameters in them) runs whole
-        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in (self, self.mlp, d))
-        return not hooked and not d.r and not any(p.requires_grad for n, p in d.named_parameters() if not n.endswith("bias"))
+        return (
+            not _hooked(self, self.mlp, d)
+            and not d.r
+            and not any(p.requires_grad for n, p in d.named_parameters() if not n.endswith("bias"))
+        )
 
     def mlp_frozen(self) -> bool:
-        """Whether the MLP's three projections keep nothing for the backward pass (each as
-        :meth:`down_keeps_nothing` says of ``down_proj``): activation checkpointing then keeps of
-        the MLP only its input and takes its backward in pieces of tokens (``FrozenMLP``)."""
+        """Whether the MLP's three projections are frozen without LoRA, their biases too
+        (``FrozenMLP``'s backward gives the input gradient only), and run without module hooks:
+        activation checkpointing then keeps of the MLP only its input and takes its backward in
+        pieces of tokens."""
         m = self.mlp
-        if any(h for mod in (self, m, m.gate_proj, m.up_proj, m.down_proj) for h in (mod._forward_pre_hooks, mod._forward_hooks)):
-            return False
-        return not any(p.r or any(q.requires_grad for q in p.parameters(recurse=False)) for p in (m.gate_proj, m.up_proj, m.down_proj))
+        projs = (m.gate_proj, m.up_proj, m.down_proj)
+        return not _hooked(self, m, *projs) and not any(
+            p.r or any(q.requires_grad for q in p.parameters(recurse=False)) for p in projs
+        )
 
     def before_down(self, x, rope, unpad=None):
         """The training forward up to ``mlp.down_proj``: the residual stream after attention and
@@ -246,7 +256,7 @@ def checkpointed_frozen_mlp(layer: LlamaDecoderLayer, x, rope, unpad):
     output is not used) and runs the MLP's backward in pieces of tokens."""
     passes = []
 
-    def run(h, *args):
+    def run(h):
         skip = bool(passes)  # the first call is the forward pass, later ones the recomputation
         passes.append(1)
         a, _ = layer.self_attn(layer.input_layernorm(h), rope, None, None, unpad)

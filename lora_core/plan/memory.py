@@ -138,7 +138,7 @@ class System:
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
     gc_frozen_mlp: bool = False
     # the frozen-head loss takes its logits in pieces of ``head_piece_rows`` positions (ours-torch
-    # since <HEADSHA>; its CUDA twin's constants were fitted on a run before: whole logits)
+    # since 954ff8f; its CUDA twin's constants were fitted on a run before: whole logits)
     head_pieces: bool = False
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
@@ -472,8 +472,8 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
     # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
     layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs, sysm.gelu_allocs).items() if _below(N * w * ab, ceil))
-    nv_heap = nv * piece if frozen_head else 4 * nv  # the head's (N, V) allocations (one piece's)
-    heap = layer + (nv_heap if _below(nv * piece if frozen_head else nv, ceil) else 0)
+    one = nv * piece  # one (N, V) allocation of the head (a frozen head's: one piece, one allocation)
+    heap = layer + ((1 if frozen_head else 4) * one if _below(one, ceil) else 0)
     heap += 2 * sum(4 * w for w in proj if _below(4 * w, ceil)) if quantized and sysm.deq_buffer_mb is None else 0
     retained = sysm.heap * heap + sysm.heap_layers * a.layers * layer  # and it grows by layer
     if c.method == "full":  # activations freed in the heap stay with the gradients

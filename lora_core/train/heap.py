@@ -57,6 +57,7 @@ def head_piece_rows(tokens: int, vocab: int) -> int:
         raise ValueError(f"head_piece_rows needs positive sizes, got tokens={tokens}, vocab={vocab}")
     return min(tokens, max(1, HEAD_PIECE_BYTES // (4 * vocab)))
 
+
 _LIBC: list = []
 
 
