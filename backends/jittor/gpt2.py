@@ -190,6 +190,11 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         with the LoRA update added. The parameters are untouched."""
         return decoding_weights(self, pack_weight, jt.no_grad, rows)
 
+    def head_weight(self):
+        """The tied LM head's (vocab, n_embd) matrix, ``wte``'s with its LoRA update added (what
+        :meth:`lm_logits` multiplies by)."""
+        return self.wte.merged_weight()
+
     def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
         """Final hidden states (B, T, E) and the new KV cache."""
         ids = _var(input_ids)

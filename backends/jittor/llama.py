@@ -153,8 +153,11 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
 
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (see the torch backend)."""
-        head = (lambda: self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head.merged_weight
-        return decoding_weights(self, pack_weight, jt.no_grad, rows, head)
+        return decoding_weights(self, pack_weight, jt.no_grad, rows)
+
+    def head_weight(self):
+        """The LM head's (vocab, hidden) matrix with its LoRA update added (see the torch backend)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.merged_weight()
 
     def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
         """Final hidden states (B, T, E) and the new KV cache."""

@@ -25,6 +25,7 @@ from lora_core.lora.dropout import BlockMasks
 from lora_core.lora.layers import decoding_weights
 from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
 
+from ._attention import attention
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
@@ -137,9 +138,9 @@ class Attention(nn.Module):
             att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / (E // self.n_head) ** 0.5) + bias, dim=-1)
             y = att @ v
         elif bias is None:  # no past, no padding: plain causal attention
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+            y = attention(q, k, v, attn_mask=bias, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, E)
         if unpad is not None:  # back to the real tokens only
             y = y.reshape(B * T, E).index_select(0, token_index)
@@ -198,6 +199,11 @@ class GPT2LMModel(nn.Module):
         CPU (``pack_weight``). The parameters are untouched; do not change them in the block.
         ``rows`` is the expected number of rows per forward (a layout hint)."""
         return decoding_weights(self, pack_weight, torch.no_grad, rows)
+
+    def head_weight(self) -> torch.Tensor:
+        """The tied LM head's (vocab, n_embd) matrix, ``wte``'s with its LoRA update added (what
+        :meth:`lm_logits` multiplies by)."""
+        return self.wte.merged_weight()
 
     def hidden(self, input_ids, past: Past | None = None, attention_mask=None,
                position_ids=None) -> tuple[torch.Tensor, Past]:

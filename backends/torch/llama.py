@@ -32,6 +32,7 @@ from lora_core.models.llama import LlamaConfig, check_length, rope_tables
 from lora_core.train import heap
 from lora_core.train.recompute import mlp_chunk_rows
 
+from ._attention import attention
 from .gpt2 import KVCache, checkpointed, checkpointed_to
 from .lora import LoRALinear, linear_decode, pack_weight
 
@@ -93,7 +94,7 @@ class LlamaAttention(nn.Module):
             # warns of a wrapped layer's view outputs)
             present = None if unpad is not None else (k, v)
             if bias is None:  # no past, no padding: plain causal attention
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
+                y = attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
             else:
                 y = self._grouped(lambda qg, bg: _attend(qg, k, v, bg), q, bias)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.D)
@@ -175,7 +176,7 @@ class FrozenMLP(torch.autograd.Function):
         x2 = xn.reshape(-1, xn.shape[-1])
         out = x2.new_empty(x2.shape[0], mlp.down_proj.out_features)
         if not skip:  # in pieces too: no (tokens, intermediate) tensor of the whole batch here either
-            rows = mlp_chunk_rows(x2.shape[0], mlp.gate_proj.out_features, xn.element_size(), forward=True)
+            rows = mlp_chunk_rows(x2.shape[0], mlp.gate_proj.out_features, xn.element_size(), True, xn.device.type)
             for a in range(0, x2.shape[0], rows):
                 out[a : a + rows] = mlp(x2[a : a + rows])
         return out.view(*xn.shape[:-1], -1)
@@ -186,7 +187,7 @@ class FrozenMLP(torch.autograd.Function):
         mlp = ctx.mlp
         x2, g2 = xn.reshape(-1, xn.shape[-1]), g.reshape(-1, g.shape[-1])
         n = x2.shape[0]
-        rows = mlp_chunk_rows(n, mlp.gate_proj.out_features, xn.element_size())
+        rows = mlp_chunk_rows(n, mlp.gate_proj.out_features, xn.element_size(), device=xn.device.type)
         out = torch.empty_like(x2)
         for a in range(0, n, rows):  # SwiGLU's backward as SwiGLU.backward takes it, then gate's and up's
             xc = x2[a : a + rows]
@@ -326,8 +327,12 @@ class LlamaForCausalLM(nn.Module):
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (each projection's weight with
         its LoRA update added, pre-packed for oneDNN on CPU); parameters untouched."""
-        head = (lambda: self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head.merged_weight
-        return decoding_weights(self, pack_weight, torch.no_grad, rows, head)
+        return decoding_weights(self, pack_weight, torch.no_grad, rows)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (vocab, hidden) matrix with its LoRA update added: ``lm_head``'s, or the
+        tied ``embed_tokens``' (what :meth:`lm_logits` multiplies by)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.merged_weight()
 
     def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
         """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nkv, T_all, D),

@@ -91,9 +91,22 @@ class _HeadNLL(torch.autograd.Function):
 
 def _head_trains(model, h) -> bool:
     """Whether the LM head has a trainable parameter (full FT's embedding, LoRA on it): read off
-    a zero-row product's graph."""
-    with torch.enable_grad():
-        return model.lm_logits(h[:0].detach()).requires_grad
+    a zero-row product's graph (outside autocast, which would cast the whole head for it)."""
+    with torch.enable_grad(), torch.autocast(h.device.type, enabled=False):
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # the embedding's, the head's
+        return model.lm_logits(h[:0].detach().to(dtype)).requires_grad
+
+
+def _frozen_head(model, h):
+    """The frozen head's product for ``_HeadNLL``: ``model.lm_logits``, or under autocast a
+    product with the head's weight cast to the autocast dtype once. Autocast caches the casts of
+    trained weights only and casts a frozen one again at every product: once per piece, each
+    time the whole (V, E) matrix (1 GB at Llama 3's vocabulary and 2048 hidden, in float32)."""
+    dev = h.device.type
+    if not torch.is_autocast_enabled(dev):
+        return model.lm_logits
+    w = model.head_weight().detach().to(torch.get_autocast_dtype(dev))
+    return lambda x: F.linear(x, w)
 
 
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
@@ -104,8 +117,8 @@ def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
     vocab = model.config.vocab_size
     big = h.shape[0] * vocab * 4 >= heap.HEAD_FUSED_MIN_BYTES
     if big and torch.is_grad_enabled() and h.requires_grad and not _head_trains(model, h):
-        rows = heap.head_piece_rows(h.shape[0], vocab)
-        return _HeadNLL.apply(h, model.lm_logits, targets, label_smooth, rows).mean()
+        rows = heap.head_piece_rows(h.shape[0], vocab, h.device.type)
+        return _HeadNLL.apply(h, _frozen_head(model, h), targets, label_smooth, rows).mean()
     return _token_nll(model.lm_logits(h), targets, label_smooth).mean()
 
 

@@ -36,10 +36,10 @@ def set_dropout_source(model, source) -> None:
 
 
 @contextmanager
-def decoding_weights(model, pack, no_grad, rows: int, head=None):
+def decoding_weights(model, pack, no_grad, rows: int):
     """The backends' ``model.decoding()``: inside the block every linear layer (a module with
-    ``decode_weight``) and the LM head (``model.decode_head``; its weight is ``head()``, by
-    default GPT-2's tied ``model.wte.merged_weight()``) use ``pack(merged_weight, rows)``,
+    ``decode_weight``) and the LM head (``model.decode_head``; its weight is
+    ``model.head_weight()``) use ``pack(merged_weight, rows)``,
     a framework-specific fast copy of their weight with the LoRA update added; both are reset
     on exit. The parameters are not touched. ``no_grad``: the framework's no-grad context."""
     linears = [m for m in model.modules() if hasattr(m, "decode_weight")]
@@ -47,7 +47,7 @@ def decoding_weights(model, pack, no_grad, rows: int, head=None):
         with no_grad():
             for m in linears:
                 m.decode_weight = pack(m.merged_weight(), rows)
-            model.decode_head = pack((head or model.wte.merged_weight)(), rows)
+            model.decode_head = pack(model.head_weight(), rows)
         yield model
     finally:
         for m in linears:

@@ -138,8 +138,11 @@ class System:
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
     gc_frozen_mlp: bool = False
     # the frozen-head loss takes its logits in pieces of ``head_piece_rows`` positions (ours-torch
-    # since 954ff8f; its CUDA twin's constants were fitted on a run before: whole logits)
+    # since 954ff8f; on a GPU one piece, the whole logits, as its CUDA twin was fitted on)
     head_pieces: bool = False
+    # where the run's tensors live: "cpu", or "cuda" (activations taken whole, not in pieces:
+    # ``lora_core.train.heap.PIECE_DEVICES``)
+    device: str = "cpu"
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
     # that does not (the fields above are those of one that does)
@@ -196,11 +199,13 @@ SYSTEMS: dict[str, System] = {
     # act_scale ~2 x the bf16 count: under autocast the norms and the residual stream stay fp32
     "ours-torch-cuda": System("ours-torch-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
                               act_scale=1.95, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5, gc_frozen_mlp=True,
+                              head_pieces=True, device="cuda",
                               note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on one H200 run, one shape"),
-    "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
+    "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True, device="cuda",
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
                            note="transformers + peft (+ bitsandbytes) on CUDA, bf16 autocast; fitted on one H200 run, one shape"),
-    "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None, zero_engine="deepspeed",
+    "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None, device="cuda",
+                  zero_engine="deepspeed",
                   note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
                        "activations, full FT's activations alive with its gradients"),
 }  # fmt: skip
@@ -450,7 +455,7 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     recomputed = nogc
     if frozen_mlp_pieces(a, c, sysm):  # the MLP keeps its input, not gate and up; its backward in pieces
         recomputed += a.hidden - per_layer["SwiGLU (gate, up[, silu])"]
-        transient = (5 * a.ffn * mlp_chunk_rows(N, a.ffn, ab) / N + 2 * a.hidden) * ab
+        transient = (5 * a.ffn * mlp_chunk_rows(N, a.ffn, ab, device=sysm.device) / N + 2 * a.hidden) * ab
     saved = a.layers * a.hidden + recomputed if c.gc else a.layers * nogc  # GC: each layer's input, one layer recomputed
     # LM head and loss (fp32): the final norm's input (and the head's, trained), log-softmax's
     # output (+ the logits where the caller holds them), then two (N, V) gradients
@@ -458,7 +463,7 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
     frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
     # ... and takes them in pieces of rows (System.head_pieces): one piece's (rows, V) at a time
-    piece = head_piece_rows(N, a.vocab) / N if frozen_head and sysm.head_pieces else 1.0
+    piece = head_piece_rows(N, a.vocab, sysm.device) / N if frozen_head and sysm.head_pieces else 1.0
     head = 4 * (a.hidden * (2 if c.method == "full" else 1)
                 + (sysm.head_nv_frozen * piece if frozen_head else sysm.head_nv) * a.vocab)  # fmt: skip
     counted = N * (saved * ab + head + transient)

@@ -124,6 +124,24 @@ OUTSIDE = {
     **{(_GPT2, f"ours-jittor {m}"): b for m, b in (("full", 20.0), ("full-gc", 20.0), ("lora", 12.0), ("lora-gc", 25.0),
                                                     ("qlora", 15.0))},
 }  # fmt: skip
+# The GPU runs (docs/bench/gpu/h200_lm_*.json; ``examples.lm.gpu_bench``, peak against
+# torch.cuda.max_memory_allocated), per (file, "system method"): ours-torch's LoRA and QLoRA rows
+# of e8ad55d took the frozen head's logits (and, in float32 with GC, a frozen MLP's recomputation)
+# in CPU-sized pieces on the GPU, 65 rows at a time, which its CUDA twin does not model (one piece
+# on a GPU since the commit after e8ad55d, ``heap.PIECE_DEVICES``): not compared
+_CUDA_PIECES = "measured at e8ad55d: the frozen-head logits in 65-row pieces on the GPU (one piece there since)"
+GPU_SUPERSEDED = {
+    (f, f"ours-torch {m}"): _CUDA_PIECES
+    for f in ("h200_lm_llama-3.2-1b_e8ad55d.json", "h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json")
+    for m in ("lora", "lora-gc", "qlora", "qlora-gc")
+}  # fmt: skip
+# ... and the rows outside 10%, with the bound each is tested at: the CUDA twins were fitted under
+# bf16 autocast; in float32 transformers + peft's GC rows are over-predicted by 11.5% (LoRA) and
+# 15.5% (QLoRA): its checkpointed layers' float32 activations not re-fitted (one run)
+GPU_OUTSIDE = {
+    ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "hf-peft lora-gc"): 12.0,
+    ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "hf-peft qlora-gc"): 16.0,
+}
 FIT_FAMILY = "llama"  # the constants are fitted on the Llama-family rows; GPT-2's rows are held out
 # and so are the ZeRO rows (-z2, -z3): the planner's sharding arithmetic is checked on them, not fitted
 

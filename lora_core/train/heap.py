@@ -48,13 +48,23 @@ HEAD_FUSED_MIN_BYTES = 32 << 20
 # ... and takes them in pieces of rows of at most this many bytes of float32 logits: at Llama 3's
 # 128256-token vocabulary and 4 x 512 tokens the whole (N, V) logits are 1 GB, a piece 32 MB
 HEAD_PIECE_BYTES = 32 << 20
+# The devices where activations are taken in such pieces (the frozen head's logits here, a frozen
+# MLP's recomputation in ``lora_core.train.recompute``): the CPU, whose allocators keep what a
+# whole-batch tensor grew the heap by. On a GPU the caching allocator reuses its blocks, and a
+# piece of 65 rows is a GEMM too thin for its tiles: on an H200 (e8ad55d, Llama-3.2-1B widths,
+# 4 x 512 tokens) the LoRA step in 32 pieces ran at 0.69x transformers + peft's tokens/s in
+# float32, 0.89x in bf16; there the whole batch is one piece.
+PIECE_DEVICES = ("cpu",)
 
 
-def head_piece_rows(tokens: int, vocab: int) -> int:
+def head_piece_rows(tokens: int, vocab: int, device: str = "cpu") -> int:
     """Loss positions per piece of the frozen-head loss (``HEAD_PIECE_BYTES`` of float32 logits,
-    at least one row, at most ``tokens``): 65 at a 128256-token vocabulary, 1048 at 8000."""
+    at least one row, at most ``tokens``): 65 at a 128256-token vocabulary, 1048 at 8000; on a
+    ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``), ``tokens``: one piece."""
     if tokens < 1 or vocab < 1:
         raise ValueError(f"head_piece_rows needs positive sizes, got tokens={tokens}, vocab={vocab}")
+    if device not in PIECE_DEVICES:
+        return tokens
     return min(tokens, max(1, HEAD_PIECE_BYTES // (4 * vocab)))
 
 

@@ -14,6 +14,8 @@ recomputed once, down's input gradient, gate's and up's input gradients), in pie
 
 from __future__ import annotations
 
+from .heap import PIECE_DEVICES
+
 # the largest (rows, intermediate) piece of the MLP's backward pass under checkpointing, and of its
 # forward pass (larger: a piece's GEMMs pack the weights again, and the forward pass keeps fewer
 # such tensors alive at once; pieces of 4 MB there took a LoRA+GC step 2% longer on llama-bench)
@@ -22,13 +24,16 @@ MLP_FORWARD_CHUNK_BYTES = 16 << 20
 ROW_MULTIPLE = 64  # pieces of whole 64-row panels
 
 
-def mlp_chunk_rows(tokens: int, ffn: int, itemsize: int = 4, forward: bool = False) -> int:
+def mlp_chunk_rows(tokens: int, ffn: int, itemsize: int = 4, forward: bool = False, device: str = "cpu") -> int:
     """Tokens per piece of a frozen MLP's recomputed backward pass (``forward``: of its forward
     pass): the most whose (rows, ffn) tensors of ``itemsize`` bytes fit ``MLP_CHUNK_BYTES``
     (``MLP_FORWARD_CHUNK_BYTES``), a multiple of 64 (at least 64), at most ``tokens``.
-    llama-bench (ffn 2816, float32): 320 (forward 1472); Llama-3.2-1B/3B (8192): 128 (512)."""
+    llama-bench (ffn 2816, float32): 320 (forward 1472); Llama-3.2-1B/3B (8192): 128 (512).
+    On a ``device`` not in ``heap.PIECE_DEVICES`` (a GPU), ``tokens``: one piece."""
     if tokens < 1 or ffn < 1 or itemsize < 1:
         raise ValueError(f"mlp_chunk_rows needs positive sizes, got tokens={tokens}, ffn={ffn}, itemsize={itemsize}")
+    if device not in PIECE_DEVICES:
+        return tokens
     limit = MLP_FORWARD_CHUNK_BYTES if forward else MLP_CHUNK_BYTES
     rows = max(ROW_MULTIPLE, limit // (ffn * itemsize) // ROW_MULTIPLE * ROW_MULTIPLE)
     return min(rows, tokens)
