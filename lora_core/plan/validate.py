@@ -128,8 +128,8 @@ OUTSIDE = {
 # torch.cuda.max_memory_allocated), per (file, "system method"): ours-torch's LoRA and QLoRA rows
 # of e8ad55d took the frozen head's logits (and, in float32 with GC, a frozen MLP's recomputation)
 # in CPU-sized pieces on the GPU, 65 rows at a time, which its CUDA twin does not model (one piece
-# on a GPU since the commit after e8ad55d, ``heap.PIECE_DEVICES``): not compared
-_CUDA_PIECES = "measured at e8ad55d: the frozen-head logits in 65-row pieces on the GPU (one piece there since)"
+# on a GPU since 79c3050, ``heap.PIECE_DEVICES``): not compared
+_CUDA_PIECES = "measured at e8ad55d: the frozen-head logits in 65-row pieces on the GPU (one piece there since 79c3050)"
 GPU_SUPERSEDED = {
     (f, f"ours-torch {m}"): _CUDA_PIECES
     for f in ("h200_lm_llama-3.2-1b_e8ad55d.json", "h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json")
