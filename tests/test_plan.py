@@ -216,8 +216,14 @@ def test_ours_torch_llama_runs_take_the_tcmalloc_constants_by_default(capsys):
     assert plan(llama, c).peak == pytest.approx(plan(llama, dataclasses.replace(c, allocator="glibc")).peak, rel=1e-12)
     with pytest.raises(ValueError, match="allocator 'jemalloc'"):
         PlanConfig(allocator="jemalloc")
-    assert main(["--model", "llama-bench", "--allocator", "glibc"]) == 0
-    assert "allocator glibc" in capsys.readouterr().out
+    # the header names the allocator the run resolves to: tcmalloc under auto for a Llama, glibc
+    # with the trim the run does (plain LoRA under auto: off; with GC: on)
+    for args, said in ((["--allocator", "glibc"], "allocator glibc, heap trim per layer off"),
+                       (["--allocator", "glibc", "--gc"], "allocator glibc, heap trim per layer on"),
+                       ([], "allocator tcmalloc (auto)"), (["--system", "hf-peft"], None)):  # fmt: skip
+        assert main(["--model", "llama-bench", *args]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert (said in header) if said else "allocator" not in header, header
 
 
 def test_jittor_qlora_keeps_every_dequantized_weight_without_gc():

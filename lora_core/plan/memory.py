@@ -301,6 +301,7 @@ class Plan:
     trainable: int = 0
     flops_per_token: float = 0.0
     flops_note: str = ""
+    allocator: str = ""  # the allocator the run resolves to ("tcmalloc", "glibc, heap trim per layer on"; "": not modelled)
 
 
 def arch_of(cfg) -> Arch:
@@ -493,10 +494,14 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     a = arch_of(cfg)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     quantized_base = c.method == "qlora"
+    allocator = ""  # what the run's allocator resolves to (systems with a heap trim)
     if sysm.tcmalloc and under_tcmalloc(c.allocator, c.system, a.kind):  # no heap trim there
-        sysm = dataclasses.replace(sysm, **sysm.tcmalloc)
-    elif sysm.untrimmed and not run_trims(a.kind, sysm.trim_kinds, c.heap_trim, c.gc, quantized_base):
-        sysm = dataclasses.replace(sysm, **sysm.untrimmed)
+        sysm, allocator = dataclasses.replace(sysm, **sysm.tcmalloc), "tcmalloc"
+    elif sysm.trim_kinds:
+        trims = run_trims(a.kind, sysm.trim_kinds, c.heap_trim, c.gc, quantized_base)
+        allocator = f"glibc, heap trim per layer {'on' if trims else 'off'}"
+        if sysm.untrimmed and not trims:
+            sysm = dataclasses.replace(sysm, **sysm.untrimmed)
     if sysm.zero_engine not in ZERO_ENGINES:
         raise ValueError(f"System.zero_engine must be one of {ZERO_ENGINES}, got {sysm.zero_engine!r}")
     if c.zero == 3 and sysm.zero_engine == "mpi":
@@ -514,7 +519,7 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     return Plan(weights / MB, gradients / MB, optimizer / MB, live / MB, overhead / MB, peak / MB, retained / MB,
                 mapped / MB, {k: v * tokens * ab / MB for k, v in per_layer.items()},
                 a.hidden * ab * tokens / MB, nogc * ab * tokens / MB, tokens * head / MB,
-                total, trainable, flops, note)  # fmt: skip
+                total, trainable, flops, note, allocator)  # fmt: skip
 
 
 def flops_per_token(cfg, a: Arch, c: PlanConfig, total: int, trainable: int) -> tuple[float, str]:
@@ -544,7 +549,7 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
              f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
              f"system {c.system} ({sysm.note})"
-             + (f", allocator {c.allocator} (glibc: heap trim {c.heap_trim})" if sysm.trim_kinds else ""),
+             + (f", allocator {p.allocator}{' (auto)' if c.allocator == 'auto' else ''}" if p.allocator else ""),
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
