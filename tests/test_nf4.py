@@ -66,16 +66,21 @@ def test_offset_is_torchs_mean(n):
     assert _bits(torch.from_numpy(x).mean()) == _bits(ours)
 
 
-@pytest.mark.parametrize("piece", [None, 128])
+@pytest.mark.parametrize("piece", [None, 128, "3 workers"])
 @pytest.mark.parametrize("blocksize", [64, 32, 128])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_quantize_matches_bitsandbytes(name, dtype, blocksize, piece, monkeypatch):
     """Byte for byte bitsandbytes' state; ``piece``: the spec quantizing 128 elements at a time
     (``nf4.QUANT_PIECE``; whole blocks, the last piece with the odd tail), as it does 1 M at a
-    time with a real weight."""
-    if piece is not None:
+    time with a real weight, or 1024 at a time over 3 threads (``LORA_QUANT_WORKERS``: pieces of
+    1024 / 3 rounded down to whole blocks, quantized concurrently)."""
+    if piece == 128:
         monkeypatch.setattr(nf4, "QUANT_PIECE", piece)
+        monkeypatch.setenv(nf4.WORKERS_ENV, "1")
+    elif piece:
+        monkeypatch.setattr(nf4, "QUANT_PIECE", 1024)
+        monkeypatch.setenv(nf4.WORKERS_ENV, "3")
     w = WEIGHTS[name]
     t, q, st = _bnb(w, blocksize, getattr(torch, dtype))
     s = nf4.quantize_nf4(t.float().numpy(), blocksize, dtype=dtype, threads=torch.get_num_threads())
@@ -159,3 +164,25 @@ def test_cuda_bitsandbytes_quantizer_against_the_spec(name, record_property):
     print(f"{name}: {np.count_nonzero(code_diff)} of {code_diff.size} codes, {np.count_nonzero(scale_diff)} of "
           f"{scale_diff.size} block scales differ; offset CUDA {float(st.offset)!r} spec {float(s.offset)!r}")
     assert np.abs(code_diff).max(initial=0) <= 1 and np.abs(scale_diff).max(initial=0) <= 1
+
+
+def test_codes_are_the_midpoint_search():
+    """``_nf4_codes`` (15 comparisons) is ``searchsorted`` over the midpoints, on and beside each
+    midpoint, at +-1, 0, and NaN (last: 15)."""
+    bounds = ((nf4.NF4_CODE[:-1] + nf4.NF4_CODE[1:]) / np.float32(2)).astype(np.float32)
+    near = np.concatenate([bounds, np.nextafter(bounds, 2), np.nextafter(bounds, -2)])
+    x = np.concatenate([near, [-1, 0, 1, np.nan, -0.0], np.random.default_rng(1).uniform(-1, 1, 10000)]).astype(np.float32)
+    assert np.array_equal(nf4._nf4_codes(x, bounds), np.searchsorted(bounds, x, side="left"))
+
+
+def test_quant_workers_setting(monkeypatch):
+    """``LORA_QUANT_WORKERS``: a positive integer, else an error naming it; unset, this process's
+    CPUs (at most ``MAX_WORKERS``)."""
+    monkeypatch.setenv(nf4.WORKERS_ENV, "5")
+    assert nf4.quant_workers() == 5
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv(nf4.WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match="LORA_QUANT_WORKERS"):
+            nf4.quant_workers()
+    monkeypatch.delenv(nf4.WORKERS_ENV)
+    assert 1 <= nf4.quant_workers() <= nf4.MAX_WORKERS
