@@ -11,12 +11,14 @@
 #   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
 # Usage there: bash scripts/gpu_checks.sh [STEP ...]   (default: tests nlg llama jittor, ~9 min)
 # Steps for the questions the first run left (docs/gpu.md; run at e8ad55d: tests, llama16, llama-fp32,
-# sdpa), ~6 min together (the next session: tests llama16, then llama-fp32 nlg8 compile: what
+# sdpa), ~6 min together (the next session: tests llama16, then llama-fp32 llama-compile nlg8: what
 # changed since e8ad55d, the head's logits and GC's MLP one piece on a GPU, attention without cuDNN):
 #   llama-fp32  the 4-layer rows of step llama in float32 (no autocast), plain and GC (~1 min)
 #   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
 #            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
 #   sdpa     GPT-2 Medium bf16 batch 8 with PyTorch's cuDNN attention off (scripts/gpu_site)
+#   llama-compile  the 4-layer full and LoRA rows with ours' step through torch.compile (inductor):
+#            the GPU rows are partly host-bound (ours' LoRA step 96 ms, 54 ms of it on the GPU)
 #   nlg8     GPT-2 Medium bf16 batch 8 as users run it (ours picks its attention kernels since e8ad55d)
 #   compile  GPT-2 Medium fp32 batch 8, ours-torch's step through torch.compile (cudagraphs, then
 #            inductor): the launch-bound step is where the 2x target is (~4 min)
@@ -64,6 +66,9 @@ for s in $steps; do
       run nlg-b8-bf16-eager 60 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
         --systems ours-torch --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 --batch 8 \
         --precision bf16 --decode-step eager --json "$OUT/nlg-b8-bf16-eager.json" ;;
+    llama-compile)
+      run lm-gpu-compile 200 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --layers 4 --batch 4 --block 512 \
+        --steps 5 --methods full,lora --compile inductor --json "$OUT/lm-gpu-compile.json" ;;
     nlg8)
       run nlg-b8-bf16 120 python3 -m examples.nlg.bench --data-dir $DATA --shapes gpt2-medium --device cuda \
         --systems ours-torch,hf-peft --repeats 1 --steps 10 --warmup 3 --beam-examples 16 --threads 4 \
@@ -99,7 +104,7 @@ from lora_core.models.gpt2 import gpt2_config
 m = bk.GPT2LMModel(gpt2_config('tiny'))
 print('to_device returned', bk.to_device(m, 'cuda'), '(a GPU jittor that passed the self-check)')
 " ;;
-    *) echo "unknown step $s (tests nlg llama jittor llama-fp32 llama16 sdpa nlg8 compile)" | tee -a "$LOG" ;;
+    *) echo "unknown step $s (tests nlg llama jittor llama-fp32 llama16 llama-compile sdpa nlg8 compile)" | tee -a "$LOG" ;;
   esac
 done
 date >>"$LOG"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import assert_close
 
@@ -218,3 +219,21 @@ def test_cuda_gpu_bench_parity(tmp_path):
     for method in gpu_bench.METHODS:
         ours, hf = rows[("ours-torch", method)]["loss"][0], rows[("hf-peft", method)]["loss"][0]
         assert abs(ours - hf) <= 1e-2 * abs(hf), (method, ours, hf)
+
+
+def test_gpu_bench_compiled_row(tmp_path):
+    """``gpu_bench --compile``: ours-torch's step through torch.compile (aot_eager here, inductor
+    on the GPU), two warm-up updates, the eager row's losses (HF's row stays eager)."""
+    from examples.lm import gpu_bench
+
+    rows = {}
+    for compiled in (False, True):
+        out = tmp_path / f"gpu{compiled}.json"
+        args = ["--shape", "tiny-llama", "--batch", "2", "--block", "16", "--steps", "2", "--device", "cpu",
+                "--precision", "fp32", "--methods", "lora", "--json", str(out)] + (["--compile", "aot_eager"] if compiled else [])
+        assert gpu_bench.main(args) == 0
+        rows[compiled] = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    ours, eager = rows[True]["ours-torch"], rows[False]["ours-torch"]
+    assert ours["warmup_steps"] == 2 and eager["warmup_steps"] == 1 and rows[True]["hf-peft"]["warmup_steps"] == 1
+    assert len(ours["loss"]) == 4 and len(eager["loss"]) == 3
+    np.testing.assert_allclose(ours["loss"][:3], eager["loss"], rtol=1e-5)

@@ -67,6 +67,11 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
                        device=args.device, precision=args.precision)  # fmt: skip
     load_s = time.perf_counter() - t0
     loaded = _mb(torch.cuda.max_memory_allocated() - start) if cuda else None
+    warm = 1
+    if args.compile and system == "ours-torch":  # its step through torch.compile (set_compile)
+        sysm.bk.set_compile(sysm.model, True, args.compile)
+        warm = 2  # a compiled step compiles again on its second call (the RoPE table appears)
+        rows = token_rows(cfg.vocab_size, (args.steps + warm, args.batch, args.block + 1), SEED + 1)
     batches = [sysm.prepare(r) for r in rows]
     times, losses = [], []
     for batch in batches:
@@ -84,9 +89,9 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         args.profile.mkdir(parents=True, exist_ok=True)
         (args.profile / f"{system}_{method}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
-    step_s = statistics.median(times[1:])
+    step_s = statistics.median(times[warm:])
     out = {"system": system, "method": method, "train_tok_s": args.batch * args.block / step_s, "median_step_s": step_s,
-           "step_s": times, "loss": losses, "load_s": load_s, "loaded_alloc_mb": loaded}  # fmt: skip
+           "step_s": times, "warmup_steps": warm, "loss": losses, "load_s": load_s, "loaded_alloc_mb": loaded}  # fmt: skip
     if cuda:
         free, total = torch.cuda.mem_get_info()
         out.update(peak_alloc_mb=_mb(torch.cuda.max_memory_allocated() - start),
@@ -186,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits (LoRA, QLoRA)")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="also profile one more update of each row (torch.profiler): DIR/SYSTEM_METHOD.txt, by op")
+    p.add_argument("--compile", default=None, metavar="DYNAMO_BACKEND",
+                   help="ours-torch's training step through torch.compile with this backend (inductor; "
+                        "aot_eager compiles faster): two warm-up updates instead of one")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     methods, systems = args.methods.split(","), args.systems.split(",")
