@@ -143,6 +143,12 @@ class System:
     # where the run's tensors live: "cpu", or "cuda" (activations taken whole, not in pieces:
     # ``lora_core.train.heap.PIECE_DEVICES``)
     device: str = "cpu"
+    # under autocast, whether the low-precision copy of each frozen projection weight lives from
+    # its forward pass to its backward pass (autocast caches the casts of trained weights only:
+    # transformers + peft, ours-torch up to 79c3050, every layer's, one layer's with GC). The
+    # fitted constants include them; a system that keeps the float32 weight instead (ours-torch
+    # since: backends/torch/lora.py, _AutocastFrozenLinear) has their bytes taken off
+    frozen_casts_kept: bool = True
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
     # that does not (the fields above are those of one that does)
@@ -181,7 +187,8 @@ SYSTEMS: dict[str, System] = {
                          # the six shapes' rows at 98c5579/dd3853f, 954ff8f and fb02de2 (docs/planning.md)
                          tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.767, "heap": 0.134, "heap_layers": 0.0,
                                    "full_heap": 0.0},
-                         autocast=True, gc_frozen_mlp=True, head_pieces=True, note="PyTorch CPU, backends.torch"),
+                         autocast=True, gc_frozen_mlp=True, head_pieces=True, frozen_casts_kept=False,
+                         note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
@@ -199,7 +206,7 @@ SYSTEMS: dict[str, System] = {
     # act_scale ~2 x the bf16 count: under autocast the norms and the residual stream stay fp32
     "ours-torch-cuda": System("ours-torch-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True,
                               act_scale=1.95, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5, gc_frozen_mlp=True,
-                              head_pieces=True, device="cuda",
+                              head_pieces=True, device="cuda", frozen_casts_kept=False,
                               note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on one H200 run, one shape"),
     "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True, device="cuda",
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
@@ -475,6 +482,8 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
         quant_tmp = max(proj) * 4 if quantized and sysm.deq_buffer_mb is None else 0  # one dequantized weight
         live = sysm.act_scale * (counted + quant_tmp) + (sysm.deq_buffer_mb or 0) * MB * bool(quantized)
         live += (sysm.deq_kept_gc if c.gc else sysm.deq_kept) * 4 * quantized
+        if c.precision == "bf16" and sysm.autocast and not sysm.frozen_casts_kept and not quantized:
+            live -= 2 * sum(proj) * (1 if c.gc else a.layers)  # no bf16 copy of a frozen weight kept
     # the heap: one layer's forward allocations, the head's (N, V) tensors, QLoRA's dequantized
     # weights (forward and backward), each below the ceiling (mmapped above it: returned when freed)
     layer = sum(n * N * w * ab for w, n in layer_allocs(a, c, sysm.lora_outs, sysm.gelu_allocs).items() if _below(N * w * ab, ceil))
