@@ -145,9 +145,9 @@ class System:
     device: str = "cpu"
     # under autocast, whether the low-precision copy of each frozen projection weight lives from
     # its forward pass to its backward pass (autocast caches the casts of trained weights only:
-    # transformers + peft, ours-torch up to 79c3050, every layer's, one layer's with GC). The
+    # transformers + peft, ours-torch before 2c82fba; every layer's, one layer's with GC). The
     # fitted constants include them; a system that keeps the float32 weight instead (ours-torch
-    # since: backends/torch/lora.py, _AutocastFrozenLinear) has their bytes taken off
+    # since 2c82fba: backends/torch/lora.py, _AutocastFrozenLinear) has their bytes taken off
     frozen_casts_kept: bool = True
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run

@@ -136,7 +136,7 @@ GPU_SUPERSEDED = {
     for m in ("lora", "lora-gc", "qlora", "qlora-gc")
 }  # fmt: skip
 # ... and its LoRA rows of f03e958 (bf16), whose frozen products kept autocast's bf16 copy of each
-# weight to the backward pass (ours keeps the float32 weight since 79c3050's successor:
+# weight to the backward pass (ours keeps the float32 weight since 2c82fba:
 # System.frozen_casts_kept): what the CUDA twin was fitted on, less those copies, is its plan now
 GPU_SUPERSEDED.update({
     ("h200_lm_llama-3.2-1b-L4_f03e958.json", f"ours-torch {m}"): "measured before ours-torch's frozen products "
