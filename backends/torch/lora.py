@@ -15,8 +15,8 @@ from lora_core.lora.naming import LORA_MARK, adapter_names
 
 
 class _AutocastFrozenLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` as ``torch.autocast`` runs it (inputs cast to ``dtype``, the
-    product in it) for a frozen weight and bias, keeping for the backward pass only the float32
+    """``F.linear(x, weight, bias)`` as ``torch.autocast`` runs it (``x`` given in autocast's
+    dtype, the weight and bias cast to it, the product in it) for a frozen weight and bias, keeping for the backward pass only the float32
     weight itself (the parameter: no copy) and casting it again there. Autocast caches the casts
     of trained weights only, so a frozen weight's low-precision copy lived from its layer's
     forward pass to its backward pass: 2 bytes per frozen weight at the backward pass's start
