@@ -40,5 +40,7 @@ def test_parity_figures_come_back_from_the_workers():
     assert "bringing up nodes" in proc.stdout, proc.stdout[:2000]  # run by xdist workers
     section = proc.stdout.split("parity: measured max|diff| / scale", 1)
     assert len(section) == 2, proc.stdout[-3000:]
-    figures = [line for line in section[1].splitlines() if line.startswith("frozen-head LoRA grads vs plain")]
+    # the float32 ones (the bf16 ones, under autocast, are within bf16's rounding: ~1e-2)
+    figures = [line for line in section[1].splitlines()
+               if line.startswith("frozen-head LoRA grads vs plain") and "bf16" not in line]  # fmt: skip
     assert len(figures) >= 4 and all(0 <= float(line.split()[-1]) < 1e-5 for line in figures), section[1][:2000]
