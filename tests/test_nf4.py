@@ -158,11 +158,23 @@ def test_cuda_bitsandbytes_quantizer_against_the_spec(name, record_property):
     lo = lambda p: (p & 15).astype(int)  # noqa: E731
     code_diff = np.concatenate([hi(packed) - hi(s.packed), lo(packed) - lo(s.packed)]).ravel()
     scale_diff = st.absmax.cpu().numpy().astype(int) - s.absmax.astype(int)
+    # the suspect: the block scales' 8-bit codes, placed by a 65536-entry table on the CPU
+    # (nf4._lut_search) and perhaps by dQuantize's bisection on CUDA (nf4._dynamic_search): the
+    # spec's float32 scales less CUDA's offset, each 256-block normed, placed by the bisection
+    scales = nf4.quantize_nf4(w, 64, double_quant=False).absmax - np.float32(st.offset)
+    nb = -(-scales.size // 256)
+    pad = np.zeros(nb * 256, np.float32)
+    pad[: scales.size] = scales
+    inv = np.float32(1) / np.abs(pad.reshape(nb, 256)).max(axis=1)
+    normed = np.clip(scales * np.repeat(inv, 256)[: scales.size], -1, 1).astype(np.float32)
+    bisect_diff = st.absmax.cpu().numpy().astype(int) - nf4._dynamic_search(normed, nf4.dynamic_map()).astype(int)
     record_property("codes_differing", int(np.count_nonzero(code_diff)))
     record_property("scales_differing", int(np.count_nonzero(scale_diff)))
+    record_property("scales_differing_from_bisection", int(np.count_nonzero(bisect_diff)))
     record_property("offset", [float(st.offset), float(s.offset)])
     print(f"{name}: {np.count_nonzero(code_diff)} of {code_diff.size} codes, {np.count_nonzero(scale_diff)} of "
-          f"{scale_diff.size} block scales differ; offset CUDA {float(st.offset)!r} spec {float(s.offset)!r}")
+          f"{scale_diff.size} block scales differ ({np.count_nonzero(bisect_diff)} from the bisection's); "
+          f"offset CUDA {float(st.offset)!r} spec {float(s.offset)!r}")
     assert np.abs(code_diff).max(initial=0) <= 1 and np.abs(scale_diff).max(initial=0) <= 1
 
 
