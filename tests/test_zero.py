@@ -140,6 +140,22 @@ def test_killed_rank_and_resume_under_zero_2(runs, toy, tmp_path, name):  # noqa
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_torch_zero_3_under_bf16_autocast(toy, tmp_path):  # noqa: F811
+    """``--precision bf16`` with ZeRO-3: FSDP2 gathers each layer's weights, and the frozen
+    products keep the gathered float32 weight (not autocast's bf16 copy) for the backward pass
+    (``backends/torch/lora.py``): 2 processes track 1 process's loss curve and adapter to bf16's
+    rounding (the ranks' reduction order differs)."""
+    steps = ["--max-steps", "6"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _ok(_launch("torch", 1, _args(toy, one, "lora", "--precision", "bf16", *steps)))
+    _ok(_launch("torch", 2, _args(toy, two, "lora", "--precision", "bf16", "--zero", "3", *steps)))
+    assert_close("zero-3 bf16 vs 1 process loss", _log(two, "train", "loss"), _log(one, "train", "loss"), 2e-2)
+    ref, got = (read_tensors(r / "ckpt-6" / WEIGHTS["lora"]) for r in (one, two))
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_close("zero-3 bf16 vs 1 process adapter", got[k], ref[k], 5e-2, floor=float(np.abs(ref[k]).max()))
+
+
 def test_jittor_refuses_stage_3(toy, tmp_path):  # noqa: F811
     r = _launch("jittor", 2, _args(toy, tmp_path / "j3", "lora", "--zero", "3"))
     assert r.returncode != 0 and "--zero 3 (sharded parameters) is not available in the jittor backend" in (
