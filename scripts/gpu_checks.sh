@@ -81,7 +81,8 @@ for s in $steps; do
         --steps 5 --precision fp32 --methods full,full-gc,lora,lora-gc,qlora,qlora-gc --json "$OUT/lm-gpu-fp32.json" ;;
     llama16)
       run lm-gpu-16 240 python3 -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 --steps 5 \
-        --methods full,full-gc,lora,lora-gc,qlora,qlora-gc --check-logits --profile "$OUT/prof" --json "$OUT/lm-gpu-16.json"
+        --methods full,full-gc,lora,lora-gc,qlora,qlora-gc --check-logits --decode 64 --profile "$OUT/prof" \
+        --json "$OUT/lm-gpu-16.json"
       tar czf "$OUT/profiles.tgz" -C "$OUT" prof && rm -rf "$OUT/prof" ;;
     sdpa)
       LORA_GPU_CUDNN_SDP=0 PYTHONPATH=$PYTHONPATH:$ROOT/scripts/gpu_site run nlg-b8-bf16-nocudnn 120 \

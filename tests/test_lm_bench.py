@@ -223,16 +223,23 @@ def test_cuda_gpu_bench_parity(tmp_path):
 
 def test_gpu_bench_compiled_row(tmp_path):
     """``gpu_bench --compile``: ours-torch's step through torch.compile (aot_eager here, inductor
-    on the GPU), two warm-up updates, the eager row's losses (HF's row stays eager)."""
+    on the GPU), two warm-up updates, the eager row's losses (HF's row stays eager); the eager
+    run with ``--decode``."""
     from examples.lm import gpu_bench
 
     rows = {}
     for compiled in (False, True):
         out = tmp_path / f"gpu{compiled}.json"
         args = ["--shape", "tiny-llama", "--batch", "2", "--block", "16", "--steps", "2", "--device", "cpu",
-                "--precision", "fp32", "--methods", "lora", "--json", str(out)] + (["--compile", "aot_eager"] if compiled else [])
+                "--precision", "fp32", "--methods", "lora", "--json", str(out)] + \
+            (["--compile", "aot_eager"] if compiled else ["--decode", "6"])  # fmt: skip
         assert gpu_bench.main(args) == 0
-        rows[compiled] = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+        result = json.loads(out.read_text())
+        rows[compiled] = {r["system"]: r for r in result["rows"]}
+        if not compiled:  # --decode: greedy on the device, ours against generate, the same tokens
+            d = result["decode"]
+            assert d["new_tokens"] == 6 and d["same_tokens"] and d["ours-torch_s"] > 0 and d["hf-peft_s"] > 0, d
+            assert "greedy 2 x 6 tokens" in result["table"]
     ours, eager = rows[True]["ours-torch"], rows[False]["ours-torch"]
     assert ours["warmup_steps"] == 2 and eager["warmup_steps"] == 1 and rows[True]["hf-peft"]["warmup_steps"] == 1
     assert len(ours["loss"]) == 4 and len(eager["loss"]) == 3

@@ -15,7 +15,8 @@ for the row (system ``ours-torch-cuda`` or ``hf-peft-cuda``; on the CPU ``ours-t
 ``plan_alloc_mb``, and ``plan_error`` against ``peak_alloc_mb``. Parity: the first update's loss
 of each system (the same weights and batch: equal up to bf16 rounding) and, ``--check-logits``,
 the float32 logits of ours and transformers' model on one batch, LoRA and QLoRA (max |diff| /
-max |ref|).
+max |ref|). ``--decode N``: greedy decoding of N tokens on the device, ours against ``generate``
+(time and whether the tokens are the same).
 
     python -m examples.lm.gpu_bench --shape llama-3.2-1b --batch 4 --block 512 \\
         --methods full,lora,lora-gc,qlora,qlora-gc --json gpu-llama.json
@@ -140,6 +141,34 @@ def check_logits(cfg, files: dict, args) -> dict:
     return out
 
 
+def decode(cfg, files: dict, args) -> dict:
+    """Greedy decoding on the device, float32, LoRA (the decode file): ``args.decode`` new tokens
+    after ``PROMPT_LEN``-token prompts, ``args.batch`` of them, for each system (ours-torch:
+    ``beam_search`` with one beam, its captured decode step on a GPU; transformers + peft:
+    ``generate``); one untimed call of 2 tokens first (kernels, the captured step), then the
+    timed one; ``same_tokens``: the systems' outputs equal."""
+    import torch
+
+    from .bench import PROMPT_LEN
+
+    prompts = token_rows(cfg.vocab_size, (args.batch, PROMPT_LEN), SEED + 2)
+    out, tokens = {"new_tokens": args.decode, "prompts": list(prompts.shape)}, {}
+    for name in SYSTEMS:
+        sysm = make_system(name, Path(files["ckpt"]), Path(files["lora_decode"]), False, "lora", targets_of(cfg),
+                           device=args.device)  # fmt: skip
+        sysm.greedy(prompts, 2)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens[name] = sysm.greedy(prompts, args.decode)  # token lists: read back, the device has finished
+        out[f"{name}_s"] = time.perf_counter() - t0
+        del sysm
+        gc.collect()
+    out["ratio"] = out["ours-torch_s"] / out["hf-peft_s"]
+    out["same_tokens"] = tokens["ours-torch"] == tokens["hf-peft"]
+    return out
+
+
 def env_info(device: str) -> dict:
     import torch
 
@@ -191,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-logits", action="store_true", help="also compare ours' and transformers' fp32 logits (LoRA, QLoRA)")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="also profile one more update of each row (torch.profiler): DIR/SYSTEM_METHOD.txt, by op")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also time greedy decoding of N new tokens (float32, LoRA), ours vs transformers' generate")
     p.add_argument("--compile", default=None, metavar="DYNAMO_BACKEND",
                    help="ours-torch's training step through torch.compile with this backend (inductor; "
                         "aot_eager compiles faster): two warm-up updates instead of one")
@@ -210,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.check_logits:
             result["logits"] = check_logits(cfg, files, args)
             log(f"logits ours vs transformers: {result['logits']}")
+        if args.decode:
+            result["decode"] = decode(cfg, files, args)
+            log(f"greedy decoding: {result['decode']}")
         for method in methods:
             for system in systems:
                 log(f"{system} {method}")
@@ -224,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     args.json.write_text(json.dumps(result, indent=1))
     text = table(result["rows"])
+    if "decode" in result:
+        d = result["decode"]
+        text += (f"\ngreedy {d['prompts'][0]} x {d['new_tokens']} tokens: ours-torch {d['ours-torch_s']:.3f} s, "
+                 f"hf-peft generate {d['hf-peft_s']:.3f} s, ratio {d['ratio']:.3f}, same tokens {d['same_tokens']}")
     print(json.dumps(result["env"]))
     print(text)
     result["table"] = text
