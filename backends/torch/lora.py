@@ -23,28 +23,28 @@ class _AutocastFrozenLinear(torch.autograd.Function):
     (1.9 GB for Llama-3.2-1B's 16 layers in bf16). The same products, the same bits
     (``tests/test_autocast_frozen.py``); one more cast per layer in the backward pass."""
 
+    # (no autocast context switched off inside: every operand is already in autocast's dtype, so
+    # its casts do nothing; switching it cost ~10 us a call, and these steps are launch-bound on a GPU)
     @staticmethod
     def forward(ctx, x, weight, bias):  # x already in the autocast dtype (cast by the caller, as autocast does)
         ctx.save_for_backward(weight)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, g):
         (weight,) = ctx.saved_tensors
-        with torch.autocast(g.device.type, enabled=False):
-            return g.matmul(weight.to(g.dtype)), None, None  # linear's input gradient: g W
+        return g.matmul(weight.to(g.dtype)), None, None  # linear's input gradient: g W
 
 
 def _frozen_autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor | None:
     """``_AutocastFrozenLinear``'s product where it applies (autocast on, gradients wanted for
     ``x`` only: weight and bias frozen; not while compiling, where the compiler plans the
     memory), else None (the caller runs ``F.linear``)."""
-    dev = x.device.type
-    if not (x.requires_grad and torch.is_grad_enabled() and torch.is_autocast_enabled(dev)) or weight.requires_grad \
-            or (bias is not None and bias.requires_grad) or torch.compiler.is_compiling():
+    if not x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad):
         return None
-    if not x.is_floating_point() or x.dtype == torch.float64:  # autocast leaves these alone
+    dev = x.device.type
+    if not (torch.is_autocast_enabled(dev) and torch.is_grad_enabled()) or x.dtype == torch.float64 \
+            or torch.compiler.is_compiling():  # autocast leaves float64 alone
         return None
     # the input cast outside the function, as autocast casts it: the same autograd graph (a cast
     # node, then the product's), so gradients are summed in the same order, bit for bit
