@@ -5,15 +5,11 @@ for bit (bf16 on the CPU; the same code runs under CUDA autocast)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from test_head_loss import _batch, _gpt2, _llama  # the same tiny models and batches
 
-import lora_core as lc
 from backends.torch import lora as tlora
-from backends.torch import train as ttrain
-from lora_core.data.batching import collate
-from lora_core.models.llama import init_llama_weights, llama_config
 from lora_core.train.optim import AdamWConfig
 
 
@@ -89,31 +85,6 @@ def test_trained_weight_or_bias_and_no_grad_take_autocast_path():
     assert tlora._frozen_autocast_linear(x, m.weight, m.bias) is None  # autocast off
 
 
-def _batch(vocab, seed=3):
-    rng = np.random.default_rng(seed)
-    return collate([(list(rng.integers(1, vocab, c)) + [0], list(rng.integers(1, vocab, t)) + [0])
-                    for c, t in ((5, 7), (9, 3), (2, 4))])  # fmt: skip
-
-
-def _llama(bk):
-    cfg = llama_config("tiny-llama")
-    model = bk.LlamaForCausalLM(cfg)
-    model.load_weights(init_llama_weights(cfg, 0))
-    bk.inject_lora(model, lc.LoRATargetConfig(r=4, alpha=8.0, dropout=0.0, seed=1,
-                                             target_modules=("q_proj", "v_proj", "down_proj")))  # fmt: skip
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
-    return model, cfg.vocab_size
-
-
-def _gpt2(bk):
-    cfg = lc.gpt2_config("tiny", n_layer=2)
-    lora = lc.LoRAConfig(r=4, alpha=16, enable_lora=None, target_modules=("c_attn",))
-    return bk.build_model(cfg, lora, lc.init_gpt2_weights(cfg, 0), lc.init_lora_weights(cfg, lora, b_std=0.05)), \
-        cfg.vocab_size  # fmt: skip
-
-
 @pytest.mark.parametrize("gc", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_training_steps_bit_equal(family, gc, monkeypatch):
@@ -128,7 +99,7 @@ def test_training_steps_bit_equal(family, gc, monkeypatch):
                 _plain(mp)
             else:
                 mp.setattr(tlora._AutocastFrozenLinear, "apply", lambda *a: used.append(1) or real(*a))
-            model, vocab = (_llama if family == "llama" else _gpt2)(bk)
+            model, vocab = _llama(bk, tie=True) if family == "llama" else _gpt2(bk)  # LoRA on q, v, down; c_attn
             bk.set_precision(model, "bf16")
             if gc:
                 bk.set_grad_checkpoint(model)

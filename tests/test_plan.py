@@ -13,8 +13,17 @@ from lora_core.models.llama import PRESETS, base_shapes, llama_config
 from lora_core.plan import PlanConfig, bench_plan, plan, resolve_model
 from lora_core.plan.cli import main
 from lora_core.plan.memory import MB, SYSTEMS
-from lora_core.plan.validate import (FITTED, GPU_OUTSIDE, GPU_SUPERSEDED, OUTSIDE, OUTSIDE_BOUND, SUPERSEDED,
-                                     bench_rows, check, fit)
+from lora_core.plan.validate import (
+    FITTED,
+    GPU_OUTSIDE,
+    GPU_SUPERSEDED,
+    OUTSIDE,
+    OUTSIDE_BOUND,
+    SUPERSEDED,
+    bench_rows,
+    check,
+    fit,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny-llama"]
