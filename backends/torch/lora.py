@@ -16,8 +16,9 @@ from lora_core.lora.naming import LORA_MARK, adapter_names
 
 class _AutocastFrozenLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` as ``torch.autocast`` runs it (``x`` given in autocast's
-    dtype, the weight and bias cast to it, the product in it) for a frozen weight and bias, keeping for the backward pass only the float32
-    weight itself (the parameter: no copy) and casting it again there. Autocast caches the casts
+    dtype, the weight and bias cast to it, the product in it) for a frozen weight and bias,
+    keeping for the backward pass only the float32 weight itself (the parameter: no copy) and
+    casting it again there. Autocast caches the casts
     of trained weights only, so a frozen weight's low-precision copy lived from its layer's
     forward pass to its backward pass: 2 bytes per frozen weight at the backward pass's start
     (1.9 GB for Llama-3.2-1B's 16 layers in bf16). The same products, the same bits

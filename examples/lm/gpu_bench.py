@@ -52,7 +52,8 @@ def _mb(x: float) -> float:
 
 
 def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
-    """One row: build, one warm-up update, ``args.steps`` timed ones; figures of the module docstring."""
+    """One row: build, one warm-up update (two for a compiled ours-torch), ``args.steps`` timed
+    ones; figures of the module docstring."""
     import torch
 
     cuda = args.device.startswith("cuda")
@@ -61,18 +62,16 @@ def run_row(system: str, method: str, cfg, files: dict, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated() if cuda else 0
-    n = args.steps + 1
-    rows = token_rows(cfg.vocab_size, (n, args.batch, args.block + 1), SEED + 1)
+    compiled = bool(args.compile) and system == "ours-torch"  # its step through torch.compile (set_compile)
+    warm = 2 if compiled else 1  # a compiled step compiles again on its second call (the RoPE table appears)
+    rows = token_rows(cfg.vocab_size, (args.steps + warm, args.batch, args.block + 1), SEED + 1)
     t0 = time.perf_counter()
     sysm = make_system(system, Path(files["ckpt"]), Path(files["lora_train"]), True, method, targets_of(cfg),
                        device=args.device, precision=args.precision)  # fmt: skip
     load_s = time.perf_counter() - t0
     loaded = _mb(torch.cuda.max_memory_allocated() - start) if cuda else None
-    warm = 1
-    if args.compile and system == "ours-torch":  # its step through torch.compile (set_compile)
+    if compiled:
         sysm.bk.set_compile(sysm.model, True, args.compile)
-        warm = 2  # a compiled step compiles again on its second call (the RoPE table appears)
-        rows = token_rows(cfg.vocab_size, (args.steps + warm, args.batch, args.block + 1), SEED + 1)
     batches = [sysm.prepare(r) for r in rows]
     times, losses = [], []
     for batch in batches:
