@@ -43,6 +43,9 @@ def _copy_whole(dst: torch.Tensor, src: np.ndarray) -> None:
         dst.copy_(src)
 
 
+GROUP_BYTES = 64 * 2**20  # a multi-tensor update's parameters (AdamW._groups)
+
+
 class AdamW:
     """AdamW over the given ``{name: parameter}`` (only those train; no state for others)."""
 
@@ -53,6 +56,7 @@ class AdamW:
         self.v = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.loss_scale = DynamicLossScale(cfg.loss_scale) if cfg.loss_scale is not None else None
         self._finite: bool | None = None  # set when the scaled gradients have been unscaled
+        self._grouped: list[list[str]] | None = None  # _groups()
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """Add ``scale * d loss / d p`` to the gradients of the trained parameters."""
@@ -105,16 +109,41 @@ class AdamW:
         self.t += 1
         b1, b2 = self.cfg.betas
         size = step_size(lr, self.t, self.cfg)
-        for n, param in self.params.items():
-            p = _local(param)
-            g = _local(param.grad) if param.grad is not None else torch.zeros_like(p)
-            m, v = _local(self.m[n]), _local(self.v[n])
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            p.addcdiv_(m, v.sqrt().add_(self.cfg.eps), value=-size)
-            if self.cfg.weight_decay > 0 and self.decay[n]:
-                p.add_(p, alpha=-lr * self.cfg.weight_decay)
-            param.grad = None
+        for names in self._groups():
+            ps = [_local(self.params[n]) for n in names]
+            gs = [_local(self.params[n].grad) if self.params[n].grad is not None else torch.zeros_like(p)
+                  for n, p in zip(names, ps)]  # fmt: skip
+            ms, vs = [_local(self.m[n]) for n in names], [_local(self.v[n]) for n in names]
+            torch._foreach_mul_(ms, b1)
+            torch._foreach_add_(ms, gs, alpha=1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+            den = torch._foreach_sqrt(vs)
+            torch._foreach_add_(den, self.cfg.eps)
+            torch._foreach_addcdiv_(ps, ms, den, value=-size)
+            del den
+            decayed = [p for n, p in zip(names, ps) if self.decay[n]]
+            if self.cfg.weight_decay > 0 and decayed:
+                torch._foreach_add_(decayed, decayed, alpha=-lr * self.cfg.weight_decay)
+            for n in names:
+                self.params[n].grad = None
+
+    def _groups(self) -> list[list[str]]:
+        """The parameters in groups of at most ``GROUP_BYTES`` (a larger one alone), in order: each
+        group's update is one multi-tensor (``torch._foreach_*``) call per operation, the same
+        element-wise arithmetic as one call per tensor (on the CPU PyTorch runs exactly those), a
+        few kernel launches for all of LoRA's adapters on a GPU instead of 7 per tensor; the
+        denominators ``sqrt(v) + eps`` of one group at a time (no copy of every moment at once)."""
+        if self._grouped is None:
+            self._grouped, size = [], GROUP_BYTES
+            for n, p in self.params.items():
+                nbytes = _local(p).numel() * _local(p).element_size()
+                if size + nbytes > GROUP_BYTES:
+                    self._grouped.append([])
+                    size = 0
+                self._grouped[-1].append(n)
+                size += nbytes
+        return self._grouped
 
     def zero_grad(self) -> None:
         self._finite = None

@@ -150,6 +150,24 @@ GPU_OUTSIDE = {
     ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "hf-peft lora-gc"): 12.0,
     ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "hf-peft qlora-gc"): 16.0,
 }
+# ... and of a8d4e9a's float32 run, transformers + peft's GC rows again (its code unchanged)
+GPU_OUTSIDE.update({
+    ("h200_lm_llama-3.2-1b-L4-fp32_a8d4e9a.json", "hf-peft lora-gc"): 12.0,
+    ("h200_lm_llama-3.2-1b-L4-fp32_a8d4e9a.json", "hf-peft qlora-gc"): 16.0,
+})  # fmt: skip
+# The System fields of the code a GPU row measured, where today's differ (the row is planned with
+# them): in float32 ours-torch's grouped-query attention ran PyTorch's math kernel, which keeps the
+# (batch, heads, T, T) probabilities (its memory-efficient kernel refuses enable_gqa); the keys
+# and values are repeated to the query heads for it since (backends/torch/_attention.py)
+GPU_AS_RUN = {
+    (f, f"ours-torch {m}"): {"attn_probs": 1}
+    for f in ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "h200_lm_llama-3.2-1b-L4-fp32_a8d4e9a.json")
+    for m in ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
+}  # fmt: skip
+# The CUDA context and libraries beyond the allocator's reserve, per run where it was not the
+# fitted 767 MB (+-20): a8d4e9a's 16-layer run began with greedy decoding through ours' captured
+# CUDA-graph step and transformers' generate (--decode 64): 835-851 MB after it (not isolated)
+GPU_CONTEXT_MB = {"h200_lm_llama-3.2-1b_a8d4e9a.json": 843.0}
 FIT_FAMILY = "llama"  # the constants are fitted on the Llama-family rows; GPT-2's rows are held out
 # and so are the ZeRO rows (-z2, -z3): the planner's sharding arithmetic is checked on them, not fitted
 
