@@ -11,8 +11,9 @@
 #   .gpusite/jt                      jittor 1.3.11 and astunparse (pip install --target)
 # Usage there: bash scripts/gpu_checks.sh [STEP ...]   (default: tests nlg llama jittor, ~9 min)
 # Steps for the questions the first run left (docs/gpu.md; run at e8ad55d: tests, llama16, llama-fp32,
-# sdpa), ~6 min together (the next session: tests llama16, then llama-fp32 llama-compile nlg8: what
-# changed since e8ad55d, the head's logits and GC's MLP one piece on a GPU, attention without cuDNN):
+# sdpa; at a8d4e9a: tests (cut at 300 s after 13 of 17), llama16, llama-fp32, llama-compile, nlg8; the
+# next session: tests (18 now, ~7 min), then llama-fp32 llama16: float32 GQA attention without the
+# math kernel, AdamW's multi-tensor update, the planner's refit of ours' LoRA rows held out):
 #   llama-fp32  the 4-layer rows of step llama in float32 (no autocast), plain and GC (~1 min)
 #   llama16  all 16 layers of Llama-3.2-1B's shape (the planner's CUDA fit on another shape; QLoRA
 #            since its code tables stay on the GPU), with a torch.profiler table per row (profiles.tgz)
@@ -55,7 +56,7 @@ for s in $steps; do
   case $s in
     tests)
       # only the modules that hold GPU-marked tests: collecting the whole suite took most of 126 s
-      run pytest-gpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
+      run pytest-gpu 480 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) ;;
     nlg)
       for cfg in "8 fp32" "8 bf16" "32 bf16"; do
         set -- $cfg
