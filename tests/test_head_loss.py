@@ -150,12 +150,16 @@ def test_frozen_head_cast_once_under_autocast(case, monkeypatch):
     assert counts[True] == 1 and counts[False] >= 4, counts
 
 
-def test_one_piece_on_a_gpu():
-    """On a GPU (``heap.PIECE_DEVICES``) the frozen head's logits and a frozen MLP's recomputation
-    are one piece: a 65-row GEMM is too thin for a GPU's tiles (the H200 run of e8ad55d)."""
+def test_gpu_pieces():
+    """On a GPU (``heap.PIECE_DEVICES``) a frozen MLP's recomputation is one piece and the frozen
+    head's logits pieces of 64-row tiles, 256 MB of float32 logits: a 65-row GEMM is too thin for
+    a GPU's tiles (the H200 run of e8ad55d), the whole batch's loss held 2.5 GB (a8d4e9a's)."""
     from lora_core.train.recompute import mlp_chunk_rows
 
-    assert heap.head_piece_rows(2048, 128256) == 65 and heap.head_piece_rows(2048, 128256, "cuda") == 2048
+    assert heap.head_piece_rows(2048, 128256) == 65 and heap.head_piece_rows(2048, 128256, "cuda") == 512
+    assert heap.head_piece_rows(2048, 50257, "cuda") == 1280 and heap.head_piece_rows(300, 50257, "cuda") == 300
+    assert heap.head_piece_rows(2048, 8 << 20, "cuda") == 64  # at least one tile
+    assert heap.head_piece_rows(2048, 128256, "cuda", 1 << 40) == 2048
     assert mlp_chunk_rows(2048, 8192) == 128 and mlp_chunk_rows(2048, 8192, device="cuda") == 2048
     assert mlp_chunk_rows(2048, 8192, 4, True, "cuda") == 2048
 

@@ -140,9 +140,12 @@ class System:
     # the frozen-head loss takes its logits in pieces of ``head_piece_rows`` positions (ours-torch
     # since 954ff8f; on a GPU one piece, the whole logits, as its CUDA twin was fitted on)
     head_pieces: bool = False
-    # where the run's tensors live: "cpu", or "cuda" (activations taken whole, not in pieces:
-    # ``lora_core.train.heap.PIECE_DEVICES``)
+    # where the run's tensors live: "cpu", or "cuda" (a frozen MLP's recomputation whole, not in
+    # pieces, the frozen head's logits in larger ones: ``lora_core.train.heap.PIECE_DEVICES``)
     device: str = "cpu"
+    # the frozen head's pieces of this many bytes of float32 logits in place of the device's rule
+    # (``heap.head_piece_rows``; None: the rule): a record of a run made with other pieces
+    head_piece_bytes: int | None = None
     # under autocast, whether the low-precision copy of each frozen projection weight lives from
     # its forward pass to its backward pass (autocast caches the casts of trained weights only:
     # transformers + peft, ours-torch before 2c82fba; every layer's, one layer's with GC). The
@@ -485,14 +488,14 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
     frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
     # ... and takes them in pieces of rows (System.head_pieces): one piece's (rows, V) at a time
-    piece = head_piece_rows(N, a.vocab, sysm.device) / N if frozen_head and sysm.head_pieces else 1.0
+    piece = head_piece_rows(N, a.vocab, sysm.device, sysm.head_piece_bytes) / N if frozen_head and sysm.head_pieces else 1.0
     head = 4 * (a.hidden * (2 if c.method == "full" else 1)
                 + (sysm.head_nv_frozen * piece if frozen_head else sysm.head_nv) * a.vocab)  # fmt: skip
     exact = 0.0  # bytes of a frozen head's loss counted as allocated (System.frozen_head_exact)
-    if frozen_head and sysm.frozen_head_exact and piece == 1.0:
-        cast = c.precision == "bf16" and sysm.autocast  # bf16 logits + float32 copy + bf16 gradient
+    if frozen_head and sysm.frozen_head_exact:  # one piece's: bf16 logits + float32 copy + bf16 gradient
+        cast = c.precision == "bf16" and sysm.autocast
         head = 4 * a.hidden
-        exact = N * (8 if cast else 4) * a.vocab + (2 * a.vocab * a.hidden if cast else 0)
+        exact = N * piece * (8 if cast else 4) * a.vocab + (2 * a.vocab * a.hidden if cast else 0)
     counted = N * (saved * ab + head + transient)
     proj = [i * o for i, o in a.proj.values()]
     if c.method == "full":  # the embedding's backward, once the activations are freed

@@ -164,6 +164,12 @@ GPU_AS_RUN = {
     for f in ("h200_lm_llama-3.2-1b-L4-fp32_e8ad55d.json", "h200_lm_llama-3.2-1b-L4-fp32_a8d4e9a.json")
     for m in ("full", "full-gc", "lora", "lora-gc", "qlora", "qlora-gc")
 }  # fmt: skip
+# ... and f03e958's and a8d4e9a's frozen heads took the whole batch's logits at once (512-row
+# pieces on a GPU since)
+for _f in ("h200_lm_llama-3.2-1b-L4_f03e958.json", "h200_lm_llama-3.2-1b-L4-fp32_a8d4e9a.json",
+           "h200_lm_llama-3.2-1b_a8d4e9a.json", "h200_lm_llama-3.2-1b-L4-compile_a8d4e9a.json"):  # fmt: skip
+    for _m in ("lora", "lora-gc", "qlora", "qlora-gc"):
+        GPU_AS_RUN.setdefault((_f, f"ours-torch {_m}"), {})["head_piece_bytes"] = 1 << 40
 # The CUDA context and libraries beyond the allocator's reserve, per run where it was not the
 # fitted 767 MB (+-20): a8d4e9a's 16-layer run began with greedy decoding through ours' captured
 # CUDA-graph step and transformers' generate (--decode 64): 835-851 MB after it (not isolated)

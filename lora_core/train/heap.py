@@ -53,19 +53,30 @@ HEAD_PIECE_BYTES = 32 << 20
 # whole-batch tensor grew the heap by. On a GPU the caching allocator reuses its blocks, and a
 # piece of 65 rows is a GEMM too thin for its tiles: on an H200 (e8ad55d, Llama-3.2-1B widths,
 # 4 x 512 tokens) the LoRA step in 32 pieces ran at 0.69x transformers + peft's tokens/s in
-# float32, 0.89x in bf16; there the whole batch is one piece.
+# float32, 0.89x in bf16; there a frozen MLP's recomputation is one piece.
 PIECE_DEVICES = ("cpu",)
+# ... and the frozen head's logits pieces of whole 64-row tiles of at most this many bytes of
+# float32 logits (GEMMs of 512 x 2048 x 128256 at Llama 3's widths, 4 per 4 x 512 batch): at
+# a8d4e9a the whole batch's loss under autocast held 2.5 GB at once there (bf16 logits, their
+# float32 copy and bf16 gradient, 1 GB each per float32 (N, V), and the head's bf16 weight)
+GPU_HEAD_PIECE_BYTES = 256 << 20
+GPU_ROW_MULTIPLE = 64
 
 
-def head_piece_rows(tokens: int, vocab: int, device: str = "cpu") -> int:
+def head_piece_rows(tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None) -> int:
     """Loss positions per piece of the frozen-head loss (``HEAD_PIECE_BYTES`` of float32 logits,
     at least one row, at most ``tokens``): 65 at a 128256-token vocabulary, 1048 at 8000; on a
-    ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``), ``tokens``: one piece."""
+    ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``) ``GPU_HEAD_PIECE_BYTES`` in whole
+    64-row tiles (at least one): 512 at 128256, 1280 at GPT-2's 50257. ``piece_bytes``: that
+    many bytes in place of the device's (the planner's record of a run made with other pieces)."""
     if tokens < 1 or vocab < 1:
         raise ValueError(f"head_piece_rows needs positive sizes, got tokens={tokens}, vocab={vocab}")
-    if device not in PIECE_DEVICES:
-        return tokens
-    return min(tokens, max(1, HEAD_PIECE_BYTES // (4 * vocab)))
+    if device in PIECE_DEVICES:
+        rows = max(1, (piece_bytes or HEAD_PIECE_BYTES) // (4 * vocab))
+    else:
+        rows = (piece_bytes or GPU_HEAD_PIECE_BYTES) // (4 * vocab) // GPU_ROW_MULTIPLE * GPU_ROW_MULTIPLE
+        rows = max(GPU_ROW_MULTIPLE, rows)
+    return min(tokens, rows)
 
 
 _LIBC: list = []
