@@ -141,19 +141,46 @@ PACK_MIN_ROWS = 4
 # W x^T reads 9-18 GB/s (one thread, AMD EPYC, torch 2.13 with MKL; widths 1024-8000): the same
 # products, the weight streamed once; with one row both run alike, from 4 rows F.linear is faster
 FEW_ROWS = (2, 3)
+# ... and W x^T with more input features than this reads a weight streamed from memory at 10-13
+# GB/s in MKL (one thread, AMD EPYC, torch 2.13; 2 rows: 1024 x 2816 10.8 GB/s, 2048 x 2048 12.7,
+# 2048 x 8192 10.0), where the same product summed over contiguous blocks of at most this many
+# columns reads 17-19 GB/s (1024 x 2816 in 3 blocks 18.0; views of the blocks, strided, 5 GB/s):
+# for greedy decoding of 2-3 sequences such a weight is copied once into its column blocks
+DECODE_K_BLOCK = 1024
 
 
-def pack_weight(w: torch.Tensor, rows: int) -> tuple[str, torch.Tensor]:
+def pack_weight(w: torch.Tensor, rows: int) -> tuple[str, torch.Tensor | tuple]:
     """A frozen (out, in) weight prepared for ``linear_decode``: pre-packed into oneDNN's
-    blocked layout on CPU (1.3-2.3x MKL's speed at beam-search sizes, one thread), the
-    plain weight elsewhere and for fewer than ``PACK_MIN_ROWS`` rows. ``rows`` is the expected number of input rows (a layout hint)."""
+    blocked layout on CPU (1.3-2.3x MKL's speed at beam-search sizes, one thread); for
+    ``FEW_ROWS`` rows on CPU with more than ``DECODE_K_BLOCK`` input features, the weight and a
+    copy of it in contiguous column blocks (``"blocks"``); else the plain weight. ``rows`` is the
+    expected number of input rows (a layout hint)."""
     w = w.detach().contiguous()
     if w.device.type == "cpu" and rows >= PACK_MIN_ROWS and torch.backends.mkldnn.is_available():
         try:
             return "onednn", torch.ops.mkldnn._reorder_linear_weight(w, rows)
         except (AttributeError, RuntimeError):  # a build without the op: plain matmul
             pass
+    if w.device.type == "cpu" and FEW_ROWS[0] <= rows <= FEW_ROWS[1] and w.shape[1] > DECODE_K_BLOCK:
+        n = w.shape[1]
+        width = -(-n // -(-n // DECODE_K_BLOCK))  # equal blocks, the fewest of at most DECODE_K_BLOCK
+        return "blocks", (w, tuple(w[:, k : k + width].contiguous() for k in range(0, n, width)))
     return "plain", w
+
+
+def _few_rows_product(w, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x W^T`` for ``rows`` input rows as W x^T, ``w`` the weight or its column blocks (each
+    block's product added into the first's: ``addmm``), the output made row-major again (a
+    transposed view would make the next product's input the layout MKL runs slowest with, 3 GB/s)."""
+    xt = x.reshape(rows, -1).t()
+    if isinstance(w, torch.Tensor):
+        y = torch.mm(w, xt)
+    else:
+        y, k = torch.mm(w[0], xt[: w[0].shape[1]]), w[0].shape[1]
+        for b in w[1:]:
+            y = torch.addmm(y, b, xt[k : k + b.shape[1]])
+            k += b.shape[1]
+    return y.t().contiguous()
 
 
 def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch.Tensor | None,
@@ -163,12 +190,11 @@ def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch
     kind, w = packed
     if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "gelu" if gelu else "none", [], "tanh" if gelu else "")
+    w, blocks = w if kind == "blocks" else (w, w)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if w.device.type == "cpu" and FEW_ROWS[0] <= rows <= FEW_ROWS[1] and x.dtype == w.dtype:
-        # W x^T: the weight streamed once against the few rows (2-3x F.linear's speed here); the
-        # output made row-major again (a transposed view would make the next product's input the
-        # layout MKL runs slowest with, 3 GB/s)
-        y = torch.mm(w, x.reshape(rows, -1).t()).t().contiguous().view(*x.shape[:-1], w.shape[0])
+        # W x^T: the weight streamed once against the few rows (2-3x F.linear's speed here)
+        y = _few_rows_product(blocks, x, rows).view(*x.shape[:-1], w.shape[0])
         y = y if bias is None else y + bias
     else:
         y = F.linear(x, w, bias)
