@@ -138,7 +138,7 @@ class System:
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
     gc_frozen_mlp: bool = False
     # the frozen-head loss takes its logits in pieces of ``head_piece_rows`` positions (ours-torch
-    # since 954ff8f; on a GPU one piece, the whole logits, as its CUDA twin was fitted on)
+    # since 954ff8f; on a GPU 512-row pieces at Llama 3's vocabulary since 2656d2d, one piece before)
     head_pieces: bool = False
     # where the run's tensors live: "cpu", or "cuda" (a frozen MLP's recomputation whole, not in
     # pieces, the frozen head's logits in larger ones: ``lora_core.train.heap.PIECE_DEVICES``)
@@ -156,9 +156,9 @@ class System:
     # system with ``frozen_casts_kept=False`` has their bytes taken off): False, fitted on runs
     # that did not keep them (ours-torch-cuda since a8d4e9a), nothing taken off
     casts_in_fit: bool = True
-    # a frozen head's loss in one piece counted as it allocates, not scaled by ``act_scale``
-    # (ours-torch's ``_HeadNLL`` on a GPU, ``backends/torch/train.py``): its (N, V) float32 logits,
-    # and under autocast the bf16 logits, their bf16 gradient and the (V, E) weight cast once
+    # a frozen head's loss counted as it allocates, not scaled by ``act_scale`` (ours-torch's
+    # ``_HeadNLL`` on a GPU, ``backends/torch/train.py``): one piece's float32 logits, and under
+    # autocast that piece's bf16 logits and bf16 gradient and the (V, E) weight cast once
     frozen_head_exact: bool = False
     # the model kinds whose training steps can return glibc's freed heap at each layer
     # (``lora_core.train.heap``: by default with GC or a 4-bit base), and the constants of a run
