@@ -126,9 +126,12 @@ def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smo
                max_grad_norm: float = 0.0) -> dict:
     """One optimizer update over ``micro_batches`` (gradient accumulation: each micro-batch
     loss is divided by their number, as the paper code does); after ``set_compile`` each
-    micro-batch's forward pass and loss run compiled. Returns loss and grad norm."""
-    model.train()
-    total = 0.0
+    micro-batch's forward pass and loss run compiled. Returns loss and grad norm. The losses
+    are read back after the update is issued (on a GPU the host then queues the update while the
+    backward pass runs, not after it), summed in the same order."""
+    if not model.training:  # (train() sets every module's flag: ~300 attribute sets a step)
+        model.train()
+    losses = []
     compiled = getattr(model, "compiled_loss", None)  # set_compile
     for mb in micro_batches:
         if compiled is not None:
@@ -137,9 +140,12 @@ def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smo
             with autocast(model):
                 loss = lm_loss(model, mb, label_smooth)
         optimizer.backward(loss, 1.0 / len(micro_batches))
-        total += loss.item()
+        losses.append(loss.detach())
     norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")
     optimizer.step(lr)
+    total = 0.0
+    for loss in losses:
+        total += loss.item()
     return {"loss": total / len(micro_batches), "grad_norm": norm}
 
 
