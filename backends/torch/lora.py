@@ -168,29 +168,28 @@ def pack_weight(w: torch.Tensor, rows: int) -> tuple[str, torch.Tensor | tuple]:
     return "plain", w
 
 
-def _few_rows_product(w, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x W^T`` for ``rows`` input rows as W x^T, ``w`` the weight or its column blocks (each
-    block's product added into the first's: ``addmm``), the output made row-major again (a
-    transposed view would make the next product's input the layout MKL runs slowest with, 3 GB/s)."""
+def _few_rows_product(blocks: tuple, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x W^T`` for ``rows`` input rows as W x^T over the weight's column ``blocks`` (the weight
+    itself as one block; each further block's product added into the first's: ``addmm``), the
+    output made row-major again (a transposed view would make the next product's input the layout
+    MKL runs slowest with, 3 GB/s)."""
     xt = x.reshape(rows, -1).t()
-    if isinstance(w, torch.Tensor):
-        y = torch.mm(w, xt)
-    else:
-        y, k = torch.mm(w[0], xt[: w[0].shape[1]]), w[0].shape[1]
-        for b in w[1:]:
-            y = torch.addmm(y, b, xt[k : k + b.shape[1]])
-            k += b.shape[1]
+    k = blocks[0].shape[1]
+    y = torch.mm(blocks[0], xt[:k])
+    for b in blocks[1:]:
+        y = torch.addmm(y, b, xt[k : k + b.shape[1]])
+        k += b.shape[1]
     return y.t().contiguous()
 
 
-def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor], bias: torch.Tensor | None,
+def linear_decode(x: torch.Tensor, packed: tuple[str, torch.Tensor | tuple], bias: torch.Tensor | None,
                   gelu: bool = False) -> torch.Tensor:
     """``x W^T + b`` with a weight from ``pack_weight`` (no autograd); ``gelu``: then GELU
     (tanh form), fused into the oneDNN product when packed."""
     kind, w = packed
     if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "gelu" if gelu else "none", [], "tanh" if gelu else "")
-    w, blocks = w if kind == "blocks" else (w, w)
+    w, blocks = w if kind == "blocks" else (w, (w,))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if w.device.type == "cpu" and FEW_ROWS[0] <= rows <= FEW_ROWS[1] and x.dtype == w.dtype:
         # W x^T: the weight streamed once against the few rows (2-3x F.linear's speed here)

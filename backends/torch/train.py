@@ -46,13 +46,13 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float 
 class _HeadNLL(torch.autograd.Function):
     """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (rows, V) logits live only
     inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: 32 MB of
-    float32 logits on the CPU, 256 MB in 64-row tiles on a GPU): each piece's input gradient is computed here at once (its logits overwritten
-    in place by ``softmax - (1-eps) onehot - eps/V``, then ``head``'s own backward from them) and
-    kept, (N, E), for the backward pass, scaled there per position. The plain path keeps the
-    log-probabilities from the forward pass to the backward one and adds two more (N, V) tensors
-    there (the gradients of the log-probabilities and of the logits): at Llama 3's 128k vocabulary
-    and 256 tokens each is 131 MB, at 4 x 512 tokens 1 GB, where a piece is 32 MB. The same
-    products, in pieces of rows, so the same time."""
+    float32 logits on the CPU, 256 MB in 64-row panels on a GPU): each piece's input gradient is
+    computed here at once (its logits overwritten in place by ``softmax - (1-eps) onehot - eps/V``,
+    then ``head``'s own backward from them) and kept, (N, E), for the backward pass, scaled there
+    per position. The plain path keeps the log-probabilities from the forward pass to the backward
+    one and adds two more (N, V) tensors there (the gradients of the log-probabilities and of the
+    logits): at Llama 3's 128k vocabulary and 256 tokens each is 131 MB, at 4 x 512 tokens 1 GB,
+    where a piece is 32 MB. The same products, in pieces of rows, so the same time."""
 
     @staticmethod
     def forward(ctx, h, head, targets, label_smooth, rows):
@@ -143,10 +143,7 @@ def train_step(model, optimizer, micro_batches: list[dict], lr: float, label_smo
         losses.append(loss.detach())
     norm = optimizer.clip_grad_norm(max_grad_norm) if max_grad_norm > 0 else float("nan")
     optimizer.step(lr)
-    total = 0.0
-    for loss in losses:
-        total += loss.item()
-    return {"loss": total / len(micro_batches), "grad_norm": norm}
+    return {"loss": sum(loss.item() for loss in losses) / len(micro_batches), "grad_norm": norm}
 
 
 @torch.no_grad()

@@ -60,7 +60,13 @@ PIECE_DEVICES = ("cpu",)
 # a8d4e9a the whole batch's loss under autocast held 2.5 GB at once there (bf16 logits, their
 # float32 copy and bf16 gradient, 1 GB each per float32 (N, V), and the head's bf16 weight)
 GPU_HEAD_PIECE_BYTES = 256 << 20
-GPU_ROW_MULTIPLE = 64
+ROW_MULTIPLE = 64  # pieces of whole 64-row panels (GEMM tiles)
+
+
+def panel_rows(limit_bytes: int, row_bytes: int) -> int:
+    """The most rows of ``row_bytes`` each that fit ``limit_bytes``, in whole ``ROW_MULTIPLE``-row
+    panels, at least one panel."""
+    return max(ROW_MULTIPLE, limit_bytes // row_bytes // ROW_MULTIPLE * ROW_MULTIPLE)
 
 
 def head_piece_rows(tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None) -> int:
@@ -74,8 +80,7 @@ def head_piece_rows(tokens: int, vocab: int, device: str = "cpu", piece_bytes: i
     if device in PIECE_DEVICES:
         rows = max(1, (piece_bytes or HEAD_PIECE_BYTES) // (4 * vocab))
     else:
-        rows = (piece_bytes or GPU_HEAD_PIECE_BYTES) // (4 * vocab) // GPU_ROW_MULTIPLE * GPU_ROW_MULTIPLE
-        rows = max(GPU_ROW_MULTIPLE, rows)
+        rows = panel_rows(piece_bytes or GPU_HEAD_PIECE_BYTES, 4 * vocab)
     return min(tokens, rows)
 
 

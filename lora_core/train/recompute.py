@@ -14,14 +14,13 @@ recomputed once, down's input gradient, gate's and up's input gradients), in pie
 
 from __future__ import annotations
 
-from .heap import PIECE_DEVICES
+from .heap import PIECE_DEVICES, panel_rows
 
 # the largest (rows, intermediate) piece of the MLP's backward pass under checkpointing, and of its
 # forward pass (larger: a piece's GEMMs pack the weights again, and the forward pass keeps fewer
 # such tensors alive at once; pieces of 4 MB there took a LoRA+GC step 2% longer on llama-bench)
 MLP_CHUNK_BYTES = 4 << 20
 MLP_FORWARD_CHUNK_BYTES = 16 << 20
-ROW_MULTIPLE = 64  # pieces of whole 64-row panels
 
 
 def mlp_chunk_rows(tokens: int, ffn: int, itemsize: int = 4, forward: bool = False, device: str = "cpu") -> int:
@@ -35,5 +34,4 @@ def mlp_chunk_rows(tokens: int, ffn: int, itemsize: int = 4, forward: bool = Fal
     if device not in PIECE_DEVICES:
         return tokens
     limit = MLP_FORWARD_CHUNK_BYTES if forward else MLP_CHUNK_BYTES
-    rows = max(ROW_MULTIPLE, limit // (ffn * itemsize) // ROW_MULTIPLE * ROW_MULTIPLE)
-    return min(rows, tokens)
+    return min(panel_rows(limit, ffn * itemsize), tokens)
