@@ -5,6 +5,7 @@ applied lazily inside the next forward) give the plain forward's logits (1e-5 x 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import assert_close, to_numpy
 
 import lora_core as lc
@@ -46,16 +47,19 @@ def test_decoding_weights_give_plain_logits_and_leave_the_model_untouched(backen
     assert np.array_equal(to_numpy(m(ids, attention_mask=mask)[0]), plain)  # plain path restored
 
 
-def test_kv_cache_with_lazy_reorder_matches_list_cache(backend):
+@pytest.mark.parametrize("k", [1, 2])
+def test_kv_cache_with_lazy_reorder_matches_list_cache(backend, k):
+    """``KVCache`` over 20 steps (its buffers grown past their first room) against the list
+    cache: ``k`` beams per input, reordered lazily (two reorders composed once); one beam:
+    the prompt and the generated positions in one buffer."""
     cfg, m = _model(backend)
     ids, mask = _batch(cfg)
     _, past = m(ids, attention_mask=mask)
-    k = 2  # beams per input
     cache = backend.KVCache(past, k)
     ref = [(np.repeat(to_numpy(a), k, 0), np.repeat(to_numpy(b), k, 0)) for a, b in past]
     rng = np.random.default_rng(3)
     mask = np.repeat(mask, k, 0)
-    for step in range(3):
+    for step in range(20):
         rows = np.concatenate([b * k + rng.integers(0, k, k) for b in range(len(ids))])
         cache.reorder(rows)
         if step == 1:  # two reorders before one forward compose

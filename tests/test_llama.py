@@ -271,6 +271,35 @@ def test_greedy_and_beam_match_generate(backend, checkpoints, kind):
     assert beams == [_hf_generate(hf, c, num_beams=3) for c in ctxs]
 
 
+def test_lora_greedy_and_beam_match_peft_generate(backend, checkpoints, tmp_path):
+    """A peft adapter on q_proj and v_proj (B non-zero; q, k, v with biases): ours' greedy and
+    3-beam outputs are peft's ``generate``'s. The attention block's q, k and v run as one
+    stacked product while decoding (the group has a LoRA update: its weights are copies
+    anyway), k's frozen weight and the three biases stacked with them; the logits inside
+    ``decoding`` are the plain path's, for the few rows of greedy decoding and the many of beams."""
+    hf, d = checkpoints["llama"]
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights=False)).eval()
+    pm.save_pretrained(tmp_path / "peft")
+    model = backend.from_pretrained(d, adapter=tmp_path / "peft")
+    rng = np.random.default_rng(6)
+    ctxs = [rng.integers(1, V, n).tolist() for n in (5, 9, 3)]
+    for beam in (1, 3):
+        bc = BeamConfig(beam=beam, max_new_tokens=10, no_repeat_ngram_size=0, stop_ids=())
+        ref = [_hf_generate(pm, c, **({"num_beams": beam} if beam > 1 else {})) for c in ctxs]
+        assert backend.beam_search(model, ctxs, bc, batch_size=3) == ref
+    ids, _ = _ids(6)
+    plain = to_numpy(model(ids)[0])
+    attn = model.model.layers[0].self_attn
+    for rows in (2, 80):
+        with model.decoding(rows=rows):
+            assert attn.decode_fused is not None and attn.q_proj.decode_weight is None
+            assert model.model.layers[0].mlp.up_proj.decode_weight is not None
+            got = to_numpy(model(ids)[0])
+        assert_close(f"llama fused q, k, v in decoding({rows}) vs plain ({backend.NAME})", got, plain, 1e-5)
+        assert attn.decode_fused is None
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_captured_decode_step_gives_generate_beams(checkpoints, kind):
     """torch: beam search's decode step on the preallocated cache (the step a GPU records once

@@ -54,15 +54,21 @@ class LlamaAttention(nn.Module):
         self.k_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
         self.v_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
         self.o_proj = LoRALinear(self.nh * D, E, bias=cfg.o_bias)
+        self.decode_fused = None  # set by LlamaForCausalLM.decoding(): q, k, v as one product
 
     def execute(self, x, rope, past, bias, unpad=None):
         """``x`` (B, T, E), or the real tokens (N, E) with ``unpad``; ``rope``: cos, sin laid out
         as ``x``'s rows (..., D)."""
         cos, sin = (t.unsqueeze(-2) for t in rope)  # (..., 1, D)
         lead = tuple(x.shape[:-1])
-        q = rotate(self.q_proj(x).reshape(*lead, self.nh, self.D), cos, sin)
-        k = rotate(self.k_proj(x).reshape(*lead, self.nkv, self.D), cos, sin)
-        v = self.v_proj(x).reshape(*lead, self.nkv, self.D)
+        if self.decode_fused is not None:  # inference: one product for q, k, v; q and k rotated at once
+            qkv = linear_decode(x, *self.decode_fused).reshape(*lead, self.nh + 2 * self.nkv, self.D)
+            qk = rotate(qkv[..., : self.nh + self.nkv, :], cos, sin)
+            q, k, v = qk[..., : self.nh, :], qk[..., self.nh :, :], qkv[..., self.nh + self.nkv :, :]
+        else:
+            q = rotate(self.q_proj(x).reshape(*lead, self.nh, self.D), cos, sin)
+            k = rotate(self.k_proj(x).reshape(*lead, self.nkv, self.D), cos, sin)
+            v = self.v_proj(x).reshape(*lead, self.nkv, self.D)
         if unpad is not None:  # packed (N, h, D) -> padded (B, T, h, D); pads read an appended zero row
             token_index, pad_index, B, T = unpad
             q, k, v = (jt.concat([t, jt.zeros((1, *t.shape[1:]), dtype=t.dtype)], 0)[pad_index].reshape(B, T, *t.shape[1:])
@@ -153,7 +159,12 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
 
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (see the torch backend)."""
-        return decoding_weights(self, pack_weight, jt.no_grad, rows)
+        return decoding_weights(self, pack_weight, jt.no_grad, rows, lambda parts: jt.concat(parts, 0))
+
+    def decode_groups(self):
+        """The layers that read one input, run as one product when decoding (see the torch backend)."""
+        return [(layer.self_attn, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+                for layer in self.model.layers]
 
     def head_weight(self):
         """The LM head's (vocab, hidden) matrix with its LoRA update added (see the torch backend)."""

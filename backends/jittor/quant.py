@@ -44,6 +44,8 @@ def dequantize(layer) -> jt.Var:
 class LoRALinear4bit(LoRALinear):
     """A frozen NF4 ``(out, in)`` weight plus ``LoRALinear``'s LoRA pair (``add_lora``)."""
 
+    is_4bit = True  # its merged weight is unpacked from the codes (lora_core.lora.layers.decoding_weights)
+
     def __init__(self, state: NF4State, bias=None, compute_dtype: str = "float32"):
         self.out_features, self.in_features = state.shape
         self.r, self.scaling, self.p, self.merged = 0, 0.0, 0.0, False

@@ -36,21 +36,32 @@ class KVCache:
     (inputs, n_head, P, head_size), shared by that input's ``repeats`` beams, and the generated
     positions per beam, (inputs * repeats, n_head, t, head_size).
 
-    ``reorder`` only records the new row order; the next forward pass gathers the generated
-    part's rows straight into its grown buffer (``index_select(out=...)``): one copy of the
-    generated positions per step, none of the prompt, where concatenating and reordering a
-    full cache copies everything twice. Attention reads the prompt once per input (the beams
-    are extra query rows of one matrix product). For inference: no gradient flows through it.
+    The generated positions live in buffers with room to spare (doubled when full): a step
+    writes its keys and values in place. ``reorder`` only records the new row order; the next
+    forward pass gathers the generated part's rows straight into a new buffer
+    (``index_select(out=...)``): one copy of the generated positions per reordered step, none
+    of the prompt, where concatenating and reordering a full cache copies everything twice.
+    Attention reads the prompt once per input (the beams are extra query rows of one matrix
+    product). With one beam per input (greedy decoding: no reorder can happen) the prompt
+    heads the same buffer and attention is one product over all positions. For inference: no
+    gradient flows through it.
 
     ``KVCache(past, repeats)`` takes a list-of-(k, v) cache of the prompts.
     """
 
     def __init__(self, past: Past, repeats: int = 1):
-        self.prompt = [(k.detach(), v.detach()) for k, v in past]
         self.repeats, self.length = repeats, past[0][0].shape[2]
-        rows, nh, _, hs = past[0][0].shape
-        empty = past[0][0].new_empty((rows * repeats, nh, 0, hs))
-        self.generated = [(empty, empty) for _ in past]
+        rows, nh, P, hs = past[0][0].shape
+        self.joint = repeats == 1  # the prompt at the head of the generated positions' buffer
+        self.start = P if self.joint else 0  # where the generated positions begin in the buffer
+        self.stored = 0  # generated positions written so far (every layer has them once advanced)
+        if self.joint:
+            self.prompt = None
+            self.generated = [tuple(_grown(t.detach(), P, P + GROW_MIN) for t in kv) for kv in past]
+        else:
+            self.prompt = [(k.detach(), v.detach()) for k, v in past]
+            empty = past[0][0].new_empty((rows * repeats, nh, GROW_MIN, hs))
+            self.generated = [(empty, empty.clone()) for _ in past]
         self.pending: np.ndarray | None = None  # reorder for the next forward pass
         self.rows: torch.Tensor | None = None  # the same as a tensor
 
@@ -58,29 +69,50 @@ class KVCache:
         """Row ``j`` continues old row ``rows[j]``, a beam of the same input (applied by the
         next forward pass)."""
         self.pending = compose_rows(self.pending, rows, self.repeats)
-        self.rows = None if self.pending is None else torch.from_numpy(self.pending).to(self.prompt[0][0].device)
+        self.rows = None if self.pending is None else torch.from_numpy(self.pending).to(self.generated[0][0].device)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Layer ``i``: store the new keys/values ``k``, ``v`` (rows, nh, T, hs) after the
         (reordered) generated ones and return the attention output for the queries ``q``;
         ``bias`` (rows, 1, T, length + T) is the additive mask."""
-        grown = []
-        for old, new in zip(self.generated[i], (k.detach(), v.detach())):
-            n = old.shape[2]
-            buf = old.new_empty((new.shape[0], new.shape[1], n + new.shape[2], new.shape[3]))
-            if self.rows is None:
-                buf[:, :, :n] = old
-            else:
-                torch.index_select(old, 0, self.rows, out=buf[:, :, :n])
-            buf[:, :, n:] = new
-            grown.append(buf)
-        self.generated[i] = kg, vg = tuple(grown)
+        end = self.start + self.stored + k.shape[2]
+        bufs = self.generated[i]
+        if self.rows is not None or end > bufs[0].shape[2]:  # reorder into, or grow into, new buffers
+            bufs = self.generated[i] = tuple(_grown(old, self.start + self.stored, 2 * end, self.rows) for old in bufs)
+        for buf, new in zip(bufs, (k, v)):
+            buf[:, :, end - new.shape[2] : end] = new.detach()
+        kg, vg = (buf[:, :, :end] for buf in bufs)
+        if self.joint:
+            return attend_all(q, kg, vg, bias)
         return attend_shared_prompt(q, *self.prompt[i], kg, vg, bias)
 
     def advance(self, T: int) -> None:
         """Called once every layer has taken its ``T`` new positions."""
         self.length += T
+        self.stored += T
         self.pending = self.rows = None
+
+
+# room a KV cache's generated positions start with (then doubled as needed)
+GROW_MIN = 16
+
+
+def _grown(old: torch.Tensor, n: int, capacity: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A (rows, nh, capacity, hs) buffer holding ``old``'s first ``n`` positions (its rows
+    selected by ``rows``, if given)."""
+    buf = old.new_empty((old.shape[0] if rows is None else rows.shape[0], old.shape[1], capacity, old.shape[3]))
+    if rows is None:
+        buf[:, :, :n] = old[:, :, :n]
+    else:
+        torch.index_select(old[:, :, :n], 0, rows, out=buf[:, :, :n])
+    return buf
+
+
+def attend_all(q, k, v, bias) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs) + bias) v: the queries ``q`` (R, nh, T, hs) over all positions
+    ``k``, ``v`` (R, nh, L, hs); ``bias`` broadcasts to (R, nh, T, L)."""
+    att = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / q.shape[-1] ** 0.5) + bias, dim=-1)
+    return att @ v
 
 
 def attend_shared_prompt(q, kp, vp, kg, vg, bias) -> torch.Tensor:

@@ -66,15 +66,21 @@ class LlamaAttention(nn.Module):
         self.k_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
         self.v_proj = LoRALinear(E, self.nkv * D, bias=cfg.qkv_bias)
         self.o_proj = LoRALinear(self.nh * D, E, bias=cfg.o_bias)
+        self.decode_fused = None  # set by LlamaForCausalLM.decoding(): q, k, v as one product
 
     def forward(self, x, rope, past, bias, unpad=None):
         """``x`` (B, T, E), or the real tokens (N, E) with ``unpad``; ``rope``: cos, sin laid out
         as ``x``'s rows (..., D)."""
         cos, sin = (t.unsqueeze(-2) for t in rope)  # (..., 1, D)
         lead = x.shape[:-1]
-        q = rotate(self.q_proj(x).view(*lead, self.nh, self.D), cos, sin)
-        k = rotate(self.k_proj(x).view(*lead, self.nkv, self.D), cos, sin)
-        v = self.v_proj(x).view(*lead, self.nkv, self.D)
+        if self.decode_fused is not None:  # inference: one product for q, k, v; q and k rotated at once
+            qkv = linear_decode(x, *self.decode_fused).view(*lead, self.nh + 2 * self.nkv, self.D)
+            qk = rotate(qkv[..., : self.nh + self.nkv, :], cos, sin)
+            q, k, v = qk[..., : self.nh, :], qk[..., self.nh :, :], qkv[..., self.nh + self.nkv :, :]
+        else:
+            q = rotate(self.q_proj(x).view(*lead, self.nh, self.D), cos, sin)
+            k = rotate(self.k_proj(x).view(*lead, self.nkv, self.D), cos, sin)
+            v = self.v_proj(x).view(*lead, self.nkv, self.D)
         if unpad is not None:  # packed (N, h, D) -> padded (B, T, h, D); pads read an appended zero row
             token_index, pad_index, B, T = unpad
             if pad_index is None:  # nothing padded (packed text blocks): a view
@@ -109,7 +115,8 @@ class LlamaAttention(nn.Module):
         if self.groups == 1:
             return attend(q, bias)
         B, _, T, D = q.shape
-        bias = None if bias is None else bias.repeat(1, 1, self.groups, 1)
+        if bias is not None and T > 1:  # one query per row (decoding): its mask row broadcasts
+            bias = bias.repeat(1, 1, self.groups, 1)
         y = attend(q.reshape(B, self.nkv, self.groups * T, D), bias)
         return y.reshape(B, self.nh, T, D)
 
@@ -326,8 +333,14 @@ class LlamaForCausalLM(nn.Module):
 
     def decoding(self, rows: int = 80):
         """Weights prepared for no-grad inference inside the block (each projection's weight with
-        its LoRA update added, pre-packed for oneDNN on CPU); parameters untouched."""
-        return decoding_weights(self, pack_weight, torch.no_grad, rows)
+        its LoRA update added, pre-packed for oneDNN on CPU; an attention block's q, k and v as
+        one stacked weight where they are copies anyway: ``decode_groups``); parameters untouched."""
+        return decoding_weights(self, pack_weight, torch.no_grad, rows, torch.cat)
+
+    def decode_groups(self):
+        """The layers that read one input, run as one product when decoding (``decoding_weights``)."""
+        return [(layer.self_attn, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+                for layer in self.model.layers]
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's (vocab, hidden) matrix with its LoRA update added: ``lm_head``'s, or the

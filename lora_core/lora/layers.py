@@ -35,21 +35,48 @@ def set_dropout_source(model, source) -> None:
             m.mask_source = source
 
 
+def _merged_is_a_copy(m) -> bool:
+    """Whether ``m.merged_weight()`` makes a new weight: a LoRA update to add, or 4-bit codes to unpack."""
+    return bool(getattr(m, "is_4bit", False) or (getattr(m, "r", 0) and not getattr(m, "merged", False)))
+
+
 @contextmanager
-def decoding_weights(model, pack, no_grad, rows: int):
+def decoding_weights(model, pack, no_grad, rows: int, concat=None):
     """The backends' ``model.decoding()``: inside the block every linear layer (a module with
     ``decode_weight``) and the LM head (``model.decode_head``; its weight is
     ``model.head_weight()``) use ``pack(merged_weight, rows)``,
     a framework-specific fast copy of their weight with the LoRA update added; both are reset
-    on exit. The parameters are not touched. ``no_grad``: the framework's no-grad context."""
+    on exit. The parameters are not touched. ``no_grad``: the framework's no-grad context.
+
+    Fused products: with ``concat`` (the framework's concatenation along dim 0), each group of
+    ``model.decode_groups()`` (``(owner, modules)``: layers that read the same input, e.g. an
+    attention block's q, k and v) whose merged weights are copies anyway (a LoRA update added,
+    a 4-bit weight unpacked) gets one packed weight of the rows stacked,
+    ``owner.decode_fused = (packed, bias or None)``, and its layers none: one product instead
+    of several (a frozen group keeps its own weights: stacking them would copy them)."""
     linears = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    groups = model.decode_groups() if concat is not None and hasattr(model, "decode_groups") else []
+    fused = []
     try:
         with no_grad():
+            grouped = set()
+            for owner, members in groups:
+                biases = [m.bias for m in members]
+                some_bias = [b is None for b in biases].count(False)
+                if not any(map(_merged_is_a_copy, members)) or 0 < some_bias < len(members):
+                    continue
+                bias = concat(biases) if some_bias else None
+                owner.decode_fused = (pack(concat([m.merged_weight() for m in members]), rows), bias)
+                fused.append(owner)
+                grouped.update(map(id, members))
             for m in linears:
-                m.decode_weight = pack(m.merged_weight(), rows)
+                if id(m) not in grouped:
+                    m.decode_weight = pack(m.merged_weight(), rows)
             model.decode_head = pack(model.head_weight(), rows)
         yield model
     finally:
         for m in linears:
             m.decode_weight = None
+        for owner in fused:
+            owner.decode_fused = None
         model.decode_head = None
