@@ -78,7 +78,8 @@ class KVCache:
         end = self.start + self.stored + k.shape[2]
         bufs = self.generated[i]
         if self.rows is not None or end > bufs[0].shape[2]:  # reorder into, or grow into, new buffers
-            bufs = self.generated[i] = tuple(_grown(old, self.start + self.stored, 2 * end, self.rows) for old in bufs)
+            room = end if self.rows is not None else 2 * end  # beams reorder most steps: no room kept for them
+            bufs = self.generated[i] = tuple(_grown(old, self.start + self.stored, room, self.rows) for old in bufs)
         for buf, new in zip(bufs, (k, v)):
             buf[:, :, end - new.shape[2] : end] = new.detach()
         kg, vg = (buf[:, :, :end] for buf in bufs)
