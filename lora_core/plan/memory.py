@@ -202,7 +202,13 @@ SYSTEMS: dict[str, System] = {
                          note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
-                          head_nv=1, lora_outs=2, zero_engine="mpi", family={"gpt2": {"norm_saved": 1, "attn_probs": 1}},
+                          head_nv=1, lora_outs=2, zero_engine="mpi",
+                          # GPT-2: its LayerNorm keeps its input, its attention one (T, T) matrix, with GC no
+                          # dequantized weight kept (counted); fitted on two GPT-2 shapes (validate.FAMILY_FITTED,
+                          # checked on a third): the tied (V, E) table's backward buffers (5: the embedding's 3
+                          # + the head's weight gradient and the sum), the head's (N, V) tensors, the heap by layer
+                          family={"gpt2": {"norm_saved": 1, "attn_probs": 1, "deq_kept_gc": 0.0, "emb_copies": 5.016,
+                                           "head_nv": 1.538, "heap_layers": 0.181}},
                           note="Jittor CPU, backends.jittor"),
     "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.79, heap=0.227,
                       heap_layers=0.291, full_heap=0.650, silu_saved=3, head_nv=4, lora_outs=3,

@@ -90,11 +90,9 @@ SUPERSEDED.update({
 
 # rows the planner misses by more than 10%, each with the bound it is tested at (docs/planning.md):
 # hf-peft's three fitted constants cannot hold all its Llama rows within 10% (the minimax fit
-# leaves 10.6%; the same rows measured at three code versions spread by 2-5%); Jittor's GPT-2
-# keeps 320-640 MB more than its Llama's counts predict: with GC it keeps 455 MB at a 512-token
-# vocabulary (not the head), and its constants, fitted on the Llama rows, are not refitted on them
+# leaves 10.6%; the same rows measured at three code versions spread by 2-5%). (Jittor's GPT-2,
+# 4-22% under its Llama counts, has its own since: FAMILY_FITTED)
 OUTSIDE_BOUND = 12.0
-_GPT2 = "lm_methods_gpt2_d00b994.json"
 OUTSIDE = {
     **{(f, k): OUTSIDE_BOUND for f, k in (
         ("lm_methods_llama-3.2-1b_a1add64.json", "hf-peft lora-gc"), ("lm_methods_llama-3.2-1b_a1add64.json", "hf-peft qlora"),
@@ -121,8 +119,6 @@ OUTSIDE = {
     # FSDP2's gathered 4-bit layers keep ~100 MB more than counted, not isolated
     ("lm_zero_llama-bench-torch-tcmalloc_a6996ff.json", "ours-torch qlora-z3"): 15.0,
     ("lm_zero_llama-bench-torch-tcmalloc_a6996ff.json", "ours-torch qlora-z3-gc"): 20.0,
-    **{(_GPT2, f"ours-jittor {m}"): b for m, b in (("full", 20.0), ("full-gc", 20.0), ("lora", 12.0), ("lora-gc", 25.0),
-                                                    ("qlora", 15.0))},
 }  # fmt: skip
 # The GPU runs (docs/bench/gpu/h200_lm_*.json; ``examples.lm.gpu_bench``, peak against
 # torch.cuda.max_memory_allocated), per (file, "system method"): ours-torch's LoRA and QLoRA rows
@@ -176,6 +172,14 @@ for _f in ("h200_lm_llama-3.2-1b-L4_f03e958.json", "h200_lm_llama-3.2-1b-L4-fp32
 GPU_CONTEXT_MB = {"h200_lm_llama-3.2-1b_a8d4e9a.json": 843.0}
 FIT_FAMILY = "llama"  # the constants are fitted on the Llama-family rows; GPT-2's rows are held out
 # and so are the ZeRO rows (-z2, -z3): the planner's sharding arithmetic is checked on them, not fitted
+# ... except a family's own counts (``System.family``) where a system's graph for it differs from its
+# Llama's beyond what is counted, fitted on some shapes of that family (FAMILY_FIT_SHAPES) and checked
+# on the others: Jittor's GPT-2 (a head tied to the embedding, its LayerNorm and attention kernels)
+# kept 4-22% more than its Llama constants predict at 12 layers, 2 x 256 (docs/planning.md): the tied
+# (V, E) table's backward buffers in full fine-tuning, the head's (N, V) tensors, a heap that grows by
+# layer; with GC it keeps no dequantized weight (``deq_kept_gc`` 0, set)
+FAMILY_FITTED = {("ours-jittor", "gpt2"): ("emb_copies", "head_nv", "heap_layers")}
+FAMILY_FIT_SHAPES = {("ours-jittor", "gpt2"): ("gpt2 2x256", "gpt2 L3 1x512")}
 
 
 def shape_label(s: dict) -> str:
@@ -236,28 +240,35 @@ def check(rows: list[dict]) -> list[dict]:
 
 def _with(base: System, variant: str | None, values: dict) -> System:
     """``base`` with ``values`` for its own constants, or (``variant`` ``tcmalloc``) for those of
-    its runs under tcmalloc."""
+    its runs under tcmalloc, or (``variant`` a model kind of ``FAMILY_FITTED``) for that family's."""
     if variant == "tcmalloc":
         return dataclasses.replace(base, tcmalloc={**base.tcmalloc, **values})
+    if variant is not None:
+        return dataclasses.replace(base, family={**base.family, variant: {**base.family.get(variant, {}), **values}})
     return dataclasses.replace(base, **values)
 
 
 def fit_rows(rows: list[dict], system: str, variant: str | None = None) -> list[dict]:
     """The rows a system's constants are fitted on: its ``FIT_FAMILY`` rows in one process; the
-    trimmed ones (its own constants) or those run under tcmalloc (``variant`` ``tcmalloc``)."""
+    trimmed ones (its own constants) or those run under tcmalloc (``variant`` ``tcmalloc``); for
+    a family's counts (``variant`` a kind), that family's rows of ``FAMILY_FIT_SHAPES`` in one process."""
     base = SYSTEMS[system]
-    rs = [r for r in rows if r["system"] == system and r["family"] == FIT_FAMILY and not bench_method(r["method"])[1]]
+    one = [r for r in rows if r["system"] == system and not bench_method(r["method"])[1]]
+    if variant not in (None, "tcmalloc"):
+        return [r for r in one if r["family"] == variant and r["shape"] in FAMILY_FIT_SHAPES[(system, variant)]]
+    rs = [r for r in one if r["family"] == FIT_FAMILY]
     if variant == "tcmalloc":
         return [r for r in rs if r.get("allocator") == "tcmalloc"]
     return [r for r in rs if r.get("allocator", "glibc") != "tcmalloc" and (not base.untrimmed or trimmed(r))]
 
 
-def fit(rows: list[dict], system: str, variant: str | None = None) -> dict[str, float]:
+def fit(rows: list[dict], system: str, variant: str | None = None, base: System | None = None) -> dict[str, float]:
     """Values of ``FITTED[system]`` over :func:`fit_rows` that minimise the largest relative
     error (each row's equation divided by its measurement; Lawson's iteratively reweighted least
     squares, starting from the plain least squares); ``variant`` ``tcmalloc``: the constants of
-    the system's runs under tcmalloc (``System.tcmalloc``)."""
-    names, base = FITTED[system], SYSTEMS[system]
+    the system's runs under tcmalloc (``System.tcmalloc``); a model kind of ``FAMILY_FITTED``: that
+    family's counts (``System.family``), on ``base``'s other constants (default ``SYSTEMS[system]``)."""
+    names, base = FAMILY_FITTED.get((system, variant), FITTED[system]), base or SYSTEMS[system]
     zero = _with(base, variant, {n: 0.0 for n in names})
     rs = fit_rows(rows, system, variant)
     x0 = np.array([predict(r, zero) for r in rs])
@@ -281,6 +292,9 @@ def fitted(rows: list[dict]) -> dict[str, System]:
         if SYSTEMS[s].tcmalloc and fit_rows(rows, s, "tcmalloc"):
             sysm = _with(sysm, "tcmalloc", fit(rows, s, "tcmalloc"))
         out[s] = sysm
+    for s, kind in FAMILY_FITTED:  # on the system's fitted constants: the family's rows depend on them
+        if fit_rows(rows, s, kind):
+            out[s] = _with(out[s], kind, fit(rows, s, kind, out[s]))
     return out
 
 
@@ -332,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             if systems[system].tcmalloc:
                 print(f"{system} under tcmalloc: " + ", ".join(f"{k} {systems[system].tcmalloc.get(k, 0.0):.3f}"
                                                                for k in FITTED[system]))  # fmt: skip
+        for (system, kind), names in FAMILY_FITTED.items():
+            fam = systems[system].family.get(kind, {})
+            on = ", ".join(FAMILY_FIT_SHAPES[(system, kind)])
+            print(f"{system} {kind} (on {on}): " + ", ".join(f"{k} {fam.get(k, 0.0):.3f}" for k in names))
         SYSTEMS.update(systems)
     checked = check(rows)
     for r in checked:
