@@ -248,6 +248,24 @@ def test_jittor_qlora_keeps_every_dequantized_weight_without_gc():
     assert (plan(cfg, c).activations - plan(cfg, c, none).activations) * MB == pytest.approx(4 * q)
 
 
+def test_jittor_under_mpirun_loads_less_and_its_zero2_step_copies_the_largest_trained_tensor():
+    """Jittor's MPI engine: with more than one rank the model built holds ``mpi_load_delta_mb``
+    (measured, -117 MB) against one process; its ZeRO-2 step three copies of the largest trained
+    tensor at once (full FT: the (V, E) embedding; LoRA: the largest A or B), not its DDP step."""
+    cfg = PRESETS["llama-bench"]
+    jit = SYSTEMS["ours-jittor"]
+    assert jit.mpi_load_delta_mb == -117.0 and jit.zero_step_copies == 3
+    for method, largest in (("full", cfg.vocab_size * cfg.hidden_size), ("lora", 8 * cfg.intermediate_size)):
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        one = plan(cfg, PlanConfig(method=method, targets=targets, batch=1, seq=8, system="ours-jittor"))
+        dp = plan(cfg, PlanConfig(method=method, targets=targets, batch=1, seq=8, system="ours-jittor", ranks=2))
+        z2 = plan(cfg, PlanConfig(method=method, targets=targets, batch=1, seq=8, system="ours-jittor", ranks=2, zero=2))
+        assert dp.overhead == pytest.approx(one.overhead - 117.0) and dp.activations == pytest.approx(one.activations)
+        assert (z2.activations - dp.activations) * MB == pytest.approx(3 * 4 * largest)
+    torch_one = plan(cfg, PlanConfig(method="full", batch=1, seq=8, system="ours-torch"))
+    assert plan(cfg, PlanConfig(method="full", batch=1, seq=8, system="ours-torch", ranks=2)).overhead == torch_one.overhead
+
+
 def test_overhead_is_the_measured_baseline_and_load():
     s = SYSTEMS["ours-torch"]
     assert plan(TINY, PlanConfig(method="lora", allocator="glibc")).overhead == s.base_mb + s.load_mb

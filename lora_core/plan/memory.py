@@ -133,6 +133,12 @@ class System:
     # too, gathered through the step; stage 3 every weight), "deepspeed" (stage 2 keeps the weights
     # whole), "mpi" (Jittor's: the AdamW moments only; no stage 3)
     zero_engine: str = "fsdp2"
+    # the MPI engine (Jittor's, under mpirun with more than one rank): the model built holds this much
+    # more (negative: less) than in one process (measured, not isolated), and its ZeRO-2 step holds
+    # this many copies of the largest trained tensor at once (backends/jittor/distributed.py: the
+    # zero-padded numpy buffer, its jittor copy, the all-reduce's output)
+    mpi_load_delta_mb: float = 0.0
+    zero_step_copies: int = 0
     # activation checkpointing of a Llama layer whose MLP is frozen (LoRA on attention only) keeps
     # the MLP's input alone and runs its backward in pieces of ``mlp_chunk_rows`` tokens
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
@@ -203,6 +209,9 @@ SYSTEMS: dict[str, System] = {
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi",
+                          # under mpirun: 62-67 MB above the baseline once the model is built (LoRA, full FT;
+                          # QLoRA 118) against 181-182 (229-237) in one process (docs/bench/lm_zero_*.json)
+                          mpi_load_delta_mb=-117.0, zero_step_copies=3,
                           # GPT-2: its LayerNorm keeps its input, its attention one (T, T) matrix, with GC no
                           # dequantized weight kept (counted); fitted on two GPT-2 shapes (validate.FAMILY_FITTED,
                           # checked on a third): the tied (V, E) table's backward buffers (5: the embedding's 3
@@ -401,6 +410,14 @@ def _params(a: Arch, c: PlanConfig) -> tuple[int, int, int]:
     return total + lora, lora, a.layers * proj if c.method == "qlora" else 0
 
 
+def _largest_trained(a: Arch, c: PlanConfig) -> int:
+    """Elements of the largest trained tensor: full FT's embedding table or widest projection;
+    with LoRA the largest A or B matrix."""
+    if c.method == "full":
+        return max([a.vocab * a.hidden] + [i * o for i, o in a.proj.values()])
+    return max(c.r * max(a.proj[t]) for t in c.targets)
+
+
 def layer_allocs(a: Arch, c: PlanConfig, lora_outs: int = 1, gelu_allocs: int = 1) -> dict[int, float]:
     """Elements per token one layer's forward pass allocates (saved or freed), by tensor width:
     an estimate read off the ops. Llama: RMSNorm 3 x hidden each (x^2, normalised, scaled), the
@@ -554,7 +571,10 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized)
     live, retained, saved, head = _activations(a, c, sysm, per_layer, quantized)
     base = sysm.base_mb if c.overhead_mb is None else c.overhead_mb
-    overhead = (base + sysm.load_mb + (sysm.load_4bit_mb if quantized else 0)) * MB
+    mpi = sysm.zero_engine == "mpi" and c.ranks > 1
+    overhead = (base + sysm.load_mb + (sysm.load_4bit_mb if quantized else 0) + (sysm.mpi_load_delta_mb if mpi else 0)) * MB
+    if mpi and c.zero == 2:  # the sharded step's transient copies of one trained tensor, the largest
+        live += sysm.zero_step_copies * 4 * _largest_trained(a, c)
     peak = weights + gradients + optimizer + live + retained + overhead
     flops, note = flops_per_token(cfg, a, c, total, trainable)
     ab, tokens, nogc = (2 if c.precision == "bf16" else 4), c.batch * c.seq, sum(per_layer.values())
