@@ -100,7 +100,7 @@ OUTSIDE = {
         # ZeRO rows: transformers + peft + bitsandbytes on FSDP2 keeps ~130 MB more than its
         # counted gather (Jittor under mpirun, 115-119 MB less than in one process once its model
         # is built, and its ZeRO-2 step's copies are modelled: System.mpi_load_delta_mb, zero_step_copies)
-        ("lm_zero_llama-bench_78c7bc5.json", "hf-peft qlora-z3"), ("lm_zero_llama-bench-L4-b4x128_b841e26.json", "ours-torch lora-z3"))},
+        ("lm_zero_llama-bench_78c7bc5.json", "hf-peft qlora-z3"),)},
     # ours-torch under glibc (LORA_ALLOCATOR=glibc; GC and 4-bit runs trim the heap), refitted at fb02de2:
     # the minimax fit of its two constants leaves four rows at 10.5-10.7%, two GC rows of each sign
     **{(f"lm_methods_{f}-torch-glibc_fb02de2.json", f"ours-torch {m}"): 12.0 for f, m in (
