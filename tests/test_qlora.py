@@ -262,3 +262,42 @@ def test_torch_products_dequantize_rows_into_one_shared_buffer_bit_identically(d
               "assert tq._bnb_cpu_lib() is not None; print('bitsandbytes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_qlora_decoding_weights_give_the_plain_logits_and_greedy_tokens(backend, ckpt):
+    """Decoding on a 4-bit base: inside ``decoding`` every 4-bit projection's weight is unpacked
+    once (an attention block's q, k and v stacked into one product) and the logits are the
+    plain path's (dequantized per product), for the few rows of greedy decoding and the many of
+    beams; greedy decoding through the KV cache gives the tokens of the argmax loop without one."""
+    from lora_core.generate.beam import BeamConfig
+
+    d, _ = ckpt
+    q = backend.from_pretrained(d, quantize="nf4")
+    backend.inject_lora(q, TARGET)
+    _lora_values(q, backend)
+    q.eval()
+    ids = _ids()
+    plain = _np(q(_tensor(backend, ids))[0])
+    attn = q.model.layers[0].self_attn
+    for rows in (2, 80):
+        with q.decoding(rows=rows):
+            assert attn.decode_fused is not None and attn.k_proj.decode_weight is None
+            got = _np(q(_tensor(backend, ids))[0])
+        assert np.abs(got - plain).max() <= 1e-5 * _scale(plain), rows
+    ctx = ids.tolist()
+    want = []
+    for row in ctx:
+        seq = list(row)
+        for _ in range(6):
+            seq.append(int(np.argmax(_np(q(_tensor(backend, np.array([seq])))[0])[0, -1])))
+        want.append(seq[len(row):])
+    cfg = BeamConfig(beam=1, max_new_tokens=6, no_repeat_ngram_size=0, stop_ids=())
+    assert backend.beam_search(q, ctx, cfg, batch_size=2) == want
+
+
+def _tensor(bk, x):
+    if bk.NAME == "torch":
+        return torch.from_numpy(x)
+    import jittor as jt
+
+    return jt.array(x)
