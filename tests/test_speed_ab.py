@@ -25,16 +25,20 @@ def test_summary_takes_the_ratio_per_round():
     assert bootstrap_median([2.0] * 5) == (2.0, 2.0)
 
 
-def test_tiny_run_of_ours_and_transformers(tmp_path):
-    """In its own process, as a user runs it (it sets the process's thread count)."""
+@pytest.mark.parametrize("precision, rel", [("fp32", 1e-5), ("bf16", 1e-3)])
+def test_tiny_run_of_ours_and_transformers(tmp_path, precision, rel):
+    """In its own process, as a user runs it (it sets the process's thread count); in float32 and
+    under bf16 autocast (every system's forward, as the GPU bench runs them)."""
     out = tmp_path / "ab.json"
     cmd = [sys.executable, "-m", "examples.lm.speed_ab", "--shape", "tiny-llama", "--block", "16", "--rounds", "2",
-           "--json", str(out)]  # fmt: skip
+           "--precision", precision, "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "tokens/s ours-torch / hf-peft: median of per-round ratios" in proc.stdout, proc.stdout
+    assert f"16 tokens, {precision}," in proc.stdout, proc.stdout
     res = json.loads(out.read_text())
-    assert res["loss0"]["ours-torch"] == pytest.approx(res["loss0"]["hf-peft"], rel=1e-5)  # same weights, same tokens
+    assert res["settings"]["precision"] == precision
+    assert res["loss0"]["ours-torch"] == pytest.approx(res["loss0"]["hf-peft"], rel=rel)  # same weights, same tokens
     assert [len(v) for v in res["times"].values()] == [2, 2]
     assert len(res["summary"]["ratios"]["ours-torch / hf-peft"]["per_round"]) == 2
 

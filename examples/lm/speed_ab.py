@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="ours-torch,hf-peft", help="comma-separated, the first is the one compared with the others")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each system), after one untimed round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: every system's forward under torch.autocast (the GPU bench's setting; on a CPU a "
+                        "proxy of the host work of its steps at small widths)")
     p.add_argument("--json", default=None, help="write the settings, every step's time and the summary here")
     a = p.parse_args(argv)
     names = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         files = write_inputs(cfg, Path(tmp))
         systems, batches, loss0 = {}, {}, {}
         for n in names:
-            systems[n] = make_system(n, Path(files["ckpt"]), Path(files["lora_train"]), True, a.method, targets_of(cfg))
+            systems[n] = make_system(n, Path(files["ckpt"]), Path(files["lora_train"]), True, a.method, targets_of(cfg),
+                                     precision=a.precision)
             batches[n] = systems[n].prepare(rows)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(a.rounds + 1):  # round 0: warm-up, untimed
@@ -117,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 print(f"round {r}/{a.rounds}: " + "  ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
     summary = summarise(times, tokens)
-    print(f"\n{a.method} on {a.shape} ({describe(cfg)}), batch {a.batch} x {a.block} tokens, {a.rounds} rounds, "
-          f"{a.threads} thread(s); code {code_version()}")  # fmt: skip
+    print(f"\n{a.method} on {a.shape} ({describe(cfg)}), batch {a.batch} x {a.block} tokens, {a.precision}, "
+          f"{a.rounds} rounds, {a.threads} thread(s); code {code_version()}")  # fmt: skip
     print(environment_line(env))
     print("first loss: " + ", ".join(f"{n} {loss0[n]:.6f}" for n in names))
     for n, s in summary["systems"].items():
