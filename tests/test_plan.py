@@ -91,7 +91,8 @@ def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
 def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     """ZeRO-3 on FSDP2 (LoRA, ours-torch): the frozen weights, mapped without ZeRO, become
     shards of the process's own memory; gathered whole, twice (FSDP2's all-gather output and the
-    parameters copied out of it): the root unit (embeddings, final norm, head) and two layers."""
+    parameters copied out of it): the root unit (embeddings, final norm, head) and two layers (once
+    where the heap is trimmed at each layer)."""
     from lora_core.plan.memory import arch_of
 
     cfg, a = PRESETS["llama-bench"], arch_of(PRESETS["llama-bench"])
@@ -101,6 +102,12 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     layer = sum(i * o for i, o in a.proj.values()) + a.layer_small + p0.trainable / a.layers
     expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + 2 * (a.other_params + 2 * layer) * 4
     assert p3.weights * MB == pytest.approx(expect, rel=1e-9), N_frozen
+    # a run that trims glibc's heap at each layer (ours-torch under glibc with GC, or LORA_MALLOC_TRIM=on)
+    # gets the layers' freed all-gather outputs returned there: the two gathered layers held once
+    glibc = dict(c, zero=3, ranks=2, allocator="glibc")
+    kept, trimmed = plan(cfg, PlanConfig(**glibc, heap_trim="off")), plan(cfg, PlanConfig(**glibc, heap_trim="on"))
+    assert (kept.weights - trimmed.weights) * MB == pytest.approx(2 * layer * 4, rel=1e-9)
+    assert kept.weights == pytest.approx(p3.weights)
 
 
 def test_gc_keeps_one_layer_input_per_layer():

@@ -442,8 +442,9 @@ def _below(nbytes: float, ceiling_mb: float | None) -> bool:
     return ceiling_mb is None or nbytes < ceiling_mb * MB
 
 
-def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, quantized: int):
-    """Weights (the process's own bytes, and the mapped file pages), gradients, optimizer state."""
+def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, quantized: int, trims: bool = False):
+    """Weights (the process's own bytes, and the mapped file pages), gradients, optimizer state;
+    ``trims``: the run returns glibc's freed heap at each layer (``lora_core.train.heap``)."""
     bf16 = c.precision == "bf16" and not sysm.autocast  # weights held in bf16
     wb = 2 if bf16 else 4  # bytes of a weight as held (frozen; full FT's working copy)
     frozen = total - trainable
@@ -475,9 +476,13 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         layer = proj * ((NF4_BYTES if ds else 0) if quantized else wb) + a.layer_small * wb + lora_layer * 4
         # DeepSpeed gathers each module as it runs: of the root's, one (V, E) table at a time
         root = a.vocab * a.hidden if ds else a.other_params
-        gathered = root * wb + min(2, a.layers) * layer
-        # FSDP2 holds a gathered unit twice: its all-gather output and the parameters copied out of it
-        weights = whole + own / c.ranks + (gathered * (1 - 1 / c.ranks) if ds else 2 * gathered)
+        layers = min(2, a.layers) * layer
+        # FSDP2 holds a gathered unit twice: its all-gather output and the parameters copied out of
+        # it; a run that trims the heap at each layer gets the freed all-gather outputs of the layers
+        # returned there, and holds the gathered layers once (the root's stay: gathered before the first)
+        held = 1 if trims else 2
+        weights = whole + own / c.ranks + ((root * wb + layers) * (1 - 1 / c.ranks) if ds
+                                           else 2 * root * wb + held * layers)
     grads = trainable * grad_b / shard_grads
     if c.method == "full" and c.zero and sysm.zero_engine == "fsdp2":
         # a unit's whole gradients and its reduce-scatter input, the root's (embeddings, head) last
@@ -554,6 +559,7 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     quantized_base = c.method == "qlora"
     allocator = ""  # what the run's allocator resolves to (systems with a heap trim)
+    trims = False
     if sysm.tcmalloc and under_tcmalloc(c.allocator, c.system, a.kind):  # no heap trim there
         sysm, allocator = dataclasses.replace(sysm, **sysm.tcmalloc), "tcmalloc"
     elif sysm.trim_kinds:
@@ -568,7 +574,7 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
                          "only: stage 2); plan --zero 2, or a torch system")  # fmt: skip
     per_layer = layer_saved(a, c, sysm)  # refuses unknown targets first
     total, trainable, quantized = _params(a, c)
-    weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized)
+    weights, mapped, gradients, optimizer = _state(a, c, sysm, total, trainable, quantized, trims)
     live, retained, saved, head = _activations(a, c, sysm, per_layer, quantized)
     base = sysm.base_mb if c.overhead_mb is None else c.overhead_mb
     mpi = sysm.zero_engine == "mpi" and c.ranks > 1
