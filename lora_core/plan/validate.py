@@ -107,7 +107,7 @@ OUTSIDE = {
         ("llama-3.2-1b-L2", "lora-gc"), ("llama-3.2-1b", "lora-gc"), ("llama-3.2-3b-L2-v512", "qlora-gc"),
         ("llama-bench-L4-b4x128", "qlora-gc"))},
     # (ours-torch's FSDP2 stage-3 rows at 4a04648, the heap trimmed per layer, over-predicted by 12-19%
-    # until the planner held the gathered layers once in a trimming run: since f19762f's successor)
+    # until the planner held the gathered layers once in a trimming run: since 60df7b1)
     # its ZeRO rows under tcmalloc (a6996ff; the QLoRA ones measured again at 99ed4e8 to the MB,
     # lm_remeasure_zero_*): six of eight within 10%; its four ZeRO-3 rows measured again at 7be884f
     # (SUPERSEDED): QLoRA-z3 under-predicted by 10.3% (753 MB measured, 676 predicted; 752 at
