@@ -106,7 +106,11 @@ def _fsdp(model, loss: str, zero: int):
     trained parameters, their gradients and AdamW moments on dim 0 (``reshard_after_forward=
     False``: gathered once per update); the frozen base stays whole on every rank (ignored, as
     with DDP). Stage 3 shards every parameter, frozen ones included, and regathers each block
-    in the backward pass. Buffers (the 4-bit layers' packed weights, masks) are never sharded."""
+    in the backward pass; the root (embeddings, final norm, head) stays gathered from its forward
+    to its backward (FSDP2's own rule for the root, which applies only when its
+    ``reshard_after_forward`` is left unset: set to True, the root was freed after the forward and
+    gathered again for the backward, 2 x 62.5 MB more at llama-bench where nothing freed was there to
+    reuse: QLoRA-z3). Buffers (the 4-bit layers' packed weights, masks) are never sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -117,7 +121,7 @@ def _fsdp(model, loss: str, zero: int):
     for b in blocks:
         if any(p.requires_grad or zero == 3 for p in b.parameters()):
             fully_shard(b, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
-    fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(module, mesh=mesh, reshard_after_forward=None if zero == 3 else False, ignored_params=ignored)
     module.zero = zero
     return module
 
