@@ -73,10 +73,16 @@ def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
     p0, p2, p3 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2)) for z in (0, 2, 3))
     assert p2.optimizer == p0.optimizer / 2
     assert p2.weights == p0.weights * 1.5  # FSDP2 stage 2: each rank's shard + the weights gathered whole
-    # two layers: the root unit and both layers are gathered at once, as the whole model, twice
-    assert p3.weights == pytest.approx(p0.weights / 2 + 2 * p0.weights, rel=1e-12)
-    # full FT: + a unit's whole gradients and its reduce-scatter input (the root's, the largest)
+    # two layers: the root unit and both layers are gathered at once, as the whole model: the layers
+    # twice (all-gather output and copy), the root once (ours-torch: kept from its forward to its
+    # backward), twice in transformers + peft (resharded after the forward, gathered again)
     from lora_core.plan.memory import arch_of
+
+    root = arch_of(TINY).other_params * 4 / MB
+    assert p3.weights == pytest.approx(p0.weights / 2 + root + 2 * (p0.weights - root), rel=1e-12)
+    h0, h3 = (plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="hf-peft")) for z in (0, 3))
+    assert h3.weights == pytest.approx(h0.weights / 2 + 2 * h0.weights, rel=1e-12)
+    # full FT: + a unit's whole gradients and its reduce-scatter input (the root's, the largest)
 
     assert p3.gradients == p2.gradients == pytest.approx(p0.gradients / 2 + 2 * arch_of(TINY).other_params * 4 / MB)
     gpu = [plan(TINY, PlanConfig(**c, zero=z, ranks=1 if z == 0 else 2, system="gpu")) for z in (0, 2)]
@@ -90,9 +96,9 @@ def test_zero2_halves_gradients_and_optimizer_zero3_shards_weights():
 
 def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     """ZeRO-3 on FSDP2 (LoRA, ours-torch): the frozen weights, mapped without ZeRO, become
-    shards of the process's own memory; gathered whole, twice (FSDP2's all-gather output and the
-    parameters copied out of it): the root unit (embeddings, final norm, head) and two layers (once
-    where the heap is trimmed at each layer)."""
+    shards of the process's own memory; gathered whole: two layers twice (FSDP2's all-gather output
+    and the parameters copied out of it; once where the heap is trimmed at each layer) and the root
+    unit (embeddings, final norm, head) once, kept from its forward to its backward."""
     from lora_core.plan.memory import arch_of
 
     cfg, a = PRESETS["llama-bench"], arch_of(PRESETS["llama-bench"])
@@ -100,8 +106,12 @@ def test_zero3_shards_copy_the_mapped_weights_and_gather_root_and_two_layers():
     p0, p3 = plan(cfg, PlanConfig(**c)), plan(cfg, PlanConfig(**c, zero=3, ranks=2))
     assert p0.mapped > 0 and p3.mapped == 0
     layer = sum(i * o for i, o in a.proj.values()) + a.layer_small + p0.trainable / a.layers
-    expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + 2 * (a.other_params + 2 * layer) * 4
+    expect = (N_frozen := p0.params - p0.trainable) * 4 / 2 + p0.trainable * 4 / 2 + (a.other_params + 2 * 2 * layer) * 4
     assert p3.weights * MB == pytest.approx(expect, rel=1e-9), N_frozen
+    # transformers + peft's root is resharded after the forward and gathered again for the backward
+    # (System.fsdp2_root_copies 2; ours-torch's stays gathered since 7f22b85: 1)
+    hf0, hf3 = plan(cfg, PlanConfig(**c, system="hf-peft")), plan(cfg, PlanConfig(**c, zero=3, ranks=2, system="hf-peft"))
+    assert hf3.weights * MB == pytest.approx(expect + a.other_params * 4, rel=1e-9) and hf0.mapped > 0
     # a run that trims glibc's heap at each layer (ours-torch under glibc with GC, or LORA_MALLOC_TRIM=on)
     # gets the layers' freed all-gather outputs returned there: the two gathered layers held once
     glibc = dict(c, zero=3, ranks=2, allocator="glibc")

@@ -139,6 +139,11 @@ class System:
     # zero-padded numpy buffer, its jittor copy, the all-reduce's output)
     mpi_load_delta_mb: float = 0.0
     zero_step_copies: int = 0
+    # FSDP2's root unit (embeddings, final norm, head) at ZeRO-3: 1 where it stays gathered from its
+    # forward to its backward (ours-torch since 7f22b85: its reshard_after_forward left unset), 2 where
+    # it is resharded after the forward and gathered again for the backward (transformers + peft as
+    # accelerate's FSDP2 plugin and the bench wrap it: the freed copy and the new one)
+    fsdp2_root_copies: int = 2
     # activation checkpointing of a Llama layer whose MLP is frozen (LoRA on attention only) keeps
     # the MLP's input alone and runs its backward in pieces of ``mlp_chunk_rows`` tokens
     # (``lora_core.train.recompute``; the torch backend in float32, not under autocast)
@@ -205,7 +210,7 @@ SYSTEMS: dict[str, System] = {
                          tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.767, "heap": 0.134, "heap_layers": 0.0,
                                    "full_heap": 0.0},
                          autocast=True, gc_frozen_mlp=True, head_pieces=True, frozen_casts_kept=False,
-                         note="PyTorch CPU, backends.torch"),
+                         fsdp2_root_copies=1, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi",
@@ -239,7 +244,7 @@ SYSTEMS: dict[str, System] = {
                               act_scale=1.1, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5, gc_frozen_mlp=True,
                               head_pieces=True, device="cuda", frozen_casts_kept=False, casts_in_fit=False,
                               frozen_head_exact=True,
-                              note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on two H200 runs, two shapes"),
+                              fsdp2_root_copies=1, note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on two H200 runs, two shapes"),
     "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True, device="cuda",
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
                            note="transformers + peft (+ bitsandbytes) on CUDA, bf16 autocast; fitted on one H200 run, one shape"),
@@ -477,12 +482,12 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         # DeepSpeed gathers each module as it runs: of the root's, one (V, E) table at a time
         root = a.vocab * a.hidden if ds else a.other_params
         layers = min(2, a.layers) * layer
-        # FSDP2 holds a gathered unit twice: its all-gather output and the parameters copied out of
+        # FSDP2 holds a gathered layer twice: its all-gather output and the parameters copied out of
         # it; a run that trims the heap at each layer gets the freed all-gather outputs of the layers
-        # returned there, and holds the gathered layers once (the root's stay: gathered before the first)
+        # returned there, and holds the gathered layers once; the root: System.fsdp2_root_copies
         held = 1 if trims else 2
         weights = whole + own / c.ranks + ((root * wb + layers) * (1 - 1 / c.ranks) if ds
-                                           else 2 * root * wb + held * layers)
+                                           else sysm.fsdp2_root_copies * root * wb + held * layers)
     grads = trainable * grad_b / shard_grads
     if c.method == "full" and c.zero and sysm.zero_engine == "fsdp2":
         # a unit's whole gradients and its reduce-scatter input, the root's (embeddings, head) last

@@ -108,11 +108,10 @@ OUTSIDE = {
         ("llama-bench-L4-b4x128", "qlora-gc"))},
     # (ours-torch's FSDP2 stage-3 rows at 4a04648, the heap trimmed per layer, over-predicted by 12-19%
     # until the planner held the gathered layers once in a trimming run: since 60df7b1)
-    # its ZeRO rows under tcmalloc (a6996ff; the QLoRA ones measured again at 99ed4e8 to the MB,
-    # lm_remeasure_zero_*): six of eight within 10%; its four ZeRO-3 rows measured again at 7be884f
-    # (SUPERSEDED): QLoRA-z3 under-predicted by 10.3% (753 MB measured, 676 predicted; 752 at
-    # a6996ff): FSDP2's gathered 4-bit layers keep ~75 MB more than counted, not isolated
-    ("lm_zero_llama-bench-torch-tcmalloc_7be884f.json", "ours-torch qlora-z3"): 12.0,
+    # its ZeRO-3 rows since 7f22b85 (the root gathered once a step), under tcmalloc: QLoRA-z3+GC
+    # under-predicted by 17.6% (602 MB measured, 496 predicted): GC under ZeRO-3 on a
+    # 4-bit base saves 34 MB against QLoRA-z3 where the planner counts 117, not isolated
+    ("lm_zero_llama-bench-torch-tcmalloc_7f22b85.json", "ours-torch qlora-z3-gc"): 20.0,
 }  # fmt: skip
 # ours-torch's ZeRO-3 rows under tcmalloc of a6996ff, measured again at 7be884f: its GC path (a frozen
 # MLP's recomputation, e62e93f..fb02de2) and the frozen head's loss (954ff8f) changed since; there the GC
@@ -121,6 +120,20 @@ SUPERSEDED.update({
     ("lm_zero_llama-bench-torch-tcmalloc_a6996ff.json", f"ours-torch {m}"): "measured again at 7be884f "
     "(lm_zero_llama-bench-torch-tcmalloc_7be884f.json): its GC and frozen-head paths changed since"
     for m in ("lora-z3", "lora-z3-gc", "qlora-z3", "qlora-z3-gc")
+})  # fmt: skip
+# ours-torch's ZeRO-3 rows before 7f22b85: its FSDP2 root (embeddings, final norm, head) was resharded
+# after the forward and gathered again for the backward (since, kept gathered: one all-gather a step,
+# 52-95 MB less at llama-bench; System.fsdp2_root_copies); measured again at 7f22b85 (tcmalloc, glibc)
+_ROOT_7F22B85 = "measured before 7f22b85 (ours-torch's FSDP2 root resharded after the forward, gathered again)"
+SUPERSEDED.update({
+    (f, f"ours-torch {m}"): _ROOT_7F22B85
+    for f, ms in (("lm_zero_llama-bench-torch_4a04648.json", ("full-z3", "lora-z3", "lora-z3-gc", "qlora-z3", "qlora-z3-gc")),
+                  ("lm_zero_llama-bench-L4-b4x128-torch_4a04648.json", ("full-z3", "lora-z3", "qlora-z3")),
+                  ("lm_zero_llama-bench-torch-tcmalloc_a6996ff.json", ("full-z3",)),
+                  ("lm_zero_llama-bench-torch-tcmalloc_7be884f.json", ("lora-z3", "lora-z3-gc", "qlora-z3", "qlora-z3-gc")),
+                  ("lm_zero_llama-bench-torch-glibc_f19762f.json", ("lora-z3", "lora-z3-gc")),
+                  ("lm_zero_llama-bench-L4-b4x128-torch-glibc_f19762f.json", ("lora-z3", "full-z3")))
+    for m in ms
 })  # fmt: skip
 # The GPU runs (docs/bench/gpu/h200_lm_*.json; ``examples.lm.gpu_bench``, peak against
 # torch.cuda.max_memory_allocated), per (file, "system method"): ours-torch's LoRA and QLoRA rows
