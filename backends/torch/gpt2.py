@@ -51,17 +51,15 @@ class KVCache:
 
     def __init__(self, past: Past, repeats: int = 1):
         self.repeats, self.length = repeats, past[0][0].shape[2]
-        rows, nh, P, hs = past[0][0].shape
+        rows, nh, self.prompt_len, hs = past[0][0].shape
         self.joint = repeats == 1  # the prompt at the head of the generated positions' buffer
-        self.start = P if self.joint else 0  # where the generated positions begin in the buffer
-        self.stored = 0  # generated positions written so far (every layer has them once advanced)
         if self.joint:
             self.prompt = None
-            self.generated = [tuple(_grown(t.detach(), P, P + GROW_MIN) for t in kv) for kv in past]
+            self.generated = [tuple(_grown(t.detach(), self.length, self.length + GROW_MIN) for t in kv) for kv in past]
         else:
             self.prompt = [(k.detach(), v.detach()) for k, v in past]
-            empty = past[0][0].new_empty((rows * repeats, nh, GROW_MIN, hs))
-            self.generated = [(empty, empty.clone()) for _ in past]
+            shape = (rows * repeats, nh, GROW_MIN, hs)
+            self.generated = [(past[0][0].new_empty(shape), past[0][0].new_empty(shape)) for _ in past]
         self.pending: np.ndarray | None = None  # reorder for the next forward pass
         self.rows: torch.Tensor | None = None  # the same as a tensor
 
@@ -75,11 +73,13 @@ class KVCache:
         """Layer ``i``: store the new keys/values ``k``, ``v`` (rows, nh, T, hs) after the
         (reordered) generated ones and return the attention output for the queries ``q``;
         ``bias`` (rows, 1, T, length + T) is the additive mask."""
-        end = self.start + self.stored + k.shape[2]
+        # the positions held before this step: the generated ones, after the prompt where it heads the buffer
+        held = self.length - (0 if self.joint else self.prompt_len)
+        end = held + k.shape[2]
         bufs = self.generated[i]
         if self.rows is not None or end > bufs[0].shape[2]:  # reorder into, or grow into, new buffers
             room = end if self.rows is not None else 2 * end  # beams reorder most steps: no room kept for them
-            bufs = self.generated[i] = tuple(_grown(old, self.start + self.stored, room, self.rows) for old in bufs)
+            bufs = self.generated[i] = tuple(_grown(old, held, room, self.rows) for old in bufs)
         for buf, new in zip(bufs, (k, v)):
             buf[:, :, end - new.shape[2] : end] = new.detach()
         kg, vg = (buf[:, :, :end] for buf in bufs)
@@ -90,7 +90,6 @@ class KVCache:
     def advance(self, T: int) -> None:
         """Called once every layer has taken its ``T`` new positions."""
         self.length += T
-        self.stored += T
         self.pending = self.rows = None
 
 

@@ -62,10 +62,10 @@ def decoding_weights(model, pack, no_grad, rows: int, concat=None):
             grouped = set()
             for owner, members in groups:
                 biases = [m.bias for m in members]
-                some_bias = [b is None for b in biases].count(False)
-                if not any(map(_merged_is_a_copy, members)) or 0 < some_bias < len(members):
+                with_bias = sum(b is not None for b in biases)
+                if not any(map(_merged_is_a_copy, members)) or 0 < with_bias < len(members):
                     continue
-                bias = concat(biases) if some_bias else None
+                bias = concat(biases) if with_bias else None
                 owner.decode_fused = (pack(concat([m.merged_weight() for m in members]), rows), bias)
                 fused.append(owner)
                 grouped.update(map(id, members))
