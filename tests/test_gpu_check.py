@@ -137,10 +137,10 @@ def test_a_driver_without_a_toolkit_sets_jittor_up_for_the_cpu(tmp_path, monkeyp
     assert os.environ["nvcc_path"] == "" and _env.no_cuda_reason is None
 
 
-def test_jittor_compiles_kernels_in_one_thread_per_cpu(monkeypatch):
-    """jittor's own default is 8 compile threads on a 2-core, 24 GB machine (a CI run crashed
-    in one of them): ``configure`` defaults ``use_parallel_op_compiler`` to the CPUs this
-    process may use, keeps the user's, and jittor honours the environment variable."""
+def test_jittor_compiles_kernels_in_the_calling_thread(monkeypatch):
+    """jittor's compile threads race (CI crashed in them with 8 threads and with 2):
+    ``configure`` defaults ``use_parallel_op_compiler`` to 1, where jittor compiles inline,
+    keeps the user's, and jittor honours the environment variable."""
     from lora_core import get_backend
 
     get_backend("jittor")
@@ -152,8 +152,7 @@ def test_jittor_compiles_kernels_in_one_thread_per_cpu(monkeypatch):
     assert at_import is not None
     monkeypatch.delenv("use_parallel_op_compiler", raising=False)
     _env.configure()
-    assert os.environ["use_parallel_op_compiler"] == str(_env.compile_threads())
-    assert 1 <= _env.compile_threads() <= min(16, os.cpu_count())
+    assert os.environ["use_parallel_op_compiler"] == "1" == str(_env.COMPILE_THREADS)
     monkeypatch.setenv("use_parallel_op_compiler", "3")
     _env.configure()
     assert os.environ["use_parallel_op_compiler"] == "3"

@@ -11,12 +11,15 @@ sets ``nvcc_path``, or has a driver and a toolkit (or one jittor installed itsel
 fast CPU matmul) is provided by the install step (``scripts/link_onednn.sh``), not here.
 
 jittor compiles the kernels a run needs on first use, in ``use_parallel_op_compiler``
-threads (its default: 16, capped at one per 3 GB of RAM: 8 on a 2-core, 24 GB machine). We
-default it to the CPUs this process may use: on 2 cores the first compile of the no-torch
-test's 89 kernels took 95 s with 2 threads, 101 s with 8, 177 s with 1 (user time 151 s vs
-163 s), and a CI run on a fresh kernel cache crashed in one of the 8 compile threads
-(``parallel_compiler.cc``: "Segfault happen, main thread exit"), a race fewer threads make
-rarer. A user's own ``use_parallel_op_compiler`` is kept.
+threads (its default: 16, capped at one per 3 GB of RAM: 8 on a 2-core, 24 GB machine). Those
+threads race: each runs jittor's code generation and kernel loading (``OpCompiler::do_compile``)
+on shared state, and the lock around it is a file lock, which threads of one process share. CI
+crashed in them twice, "Segfault happen, main thread exit" with 8 threads on a fresh kernel
+cache (a653611), and a segfault in thread 'C1' with 2 threads in a run whose kernels were all
+cached (tests/test_train.py's killed run, at 822c856). We default it to 1: jittor then compiles
+in the calling thread (``launch_all`` runs the work inline), no race. It costs time on a fresh
+cache only (the first compile of the no-torch test's 89 kernels: 177 s with 1 thread, 95 s
+with 2); cached kernels load as fast. A user's own ``use_parallel_op_compiler`` is kept.
 
 Each CPU kernel goes through jittor's ``utils/asm_tuner.py`` (a Python start, a compile to
 assembly, a rewrite of the lines its ``use_movnt`` pass marks, an assembly); we point
@@ -58,16 +61,11 @@ def configure() -> None:
             no_cuda_reason = ("no CUDA toolkit was found, so the backend set jittor up for the CPU instead of "
                               "letting its import download one")
     os.environ.setdefault("log_silent", "1")
-    os.environ.setdefault("use_parallel_op_compiler", str(compile_threads()))
+    os.environ.setdefault("use_parallel_op_compiler", str(COMPILE_THREADS))
 
 
-def compile_threads() -> int:
-    """Threads for jittor's kernel compiler: the CPUs this process may run on, 1 to 16."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(16, n))
+# jittor's kernel compiler threads: 1, the calling thread (module docstring: its threads race).
+COMPILE_THREADS = 1
 
 
 def import_jittor() -> None:
