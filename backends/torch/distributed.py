@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lora_core.train import heap
 from lora_core.train.distributed import DistributedError, World, pick_loss
 
 from .classify import cls_loss
@@ -204,11 +205,14 @@ def parallel_train_step(
     reduce-scatter, which also averages)."""
     wrapper.train()
     size, total = dist.get_world_size(), 0.0
+    release_first = _device().type == "cpu" and heap.releases_before_gather(heap.mode(), getattr(wrapper, "zero", 0))
     for k, (mb, w) in enumerate(zip(micro_batches, weights)):
         sync = k == len(micro_batches) - 1
         if getattr(wrapper, "zero", 0):
             wrapper.set_requires_gradient_sync(sync)
         with contextlib.nullcontext() if sync or getattr(wrapper, "zero", 0) else wrapper.no_sync():
+            if release_first:  # before FSDP2 gathers the root (lora_core.train.heap)
+                heap.release()
             loss = wrapper(mb, label_smooth)
             optimizer.backward(loss, w * size)
         total += w * loss.item()
