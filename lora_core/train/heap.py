@@ -31,7 +31,14 @@ full fine-tuning keep the speed. ``LORA_MALLOC_TRIM=1`` trims every training ste
 Elsewhere (no glibc, e.g. macOS or musl) ``trim`` does nothing and says so, and so does a
 process that runs under tcmalloc (``lora_core.train.allocator``: the commands' torch Llama runs
 where it is installed), whose freed spans glibc's trim cannot reach and which keeps no scattered
-heap to return: there a step's peak is lower than glibc's trimmed one, with no page faults.
+heap to return between layers: there a step's peak is lower than glibc's trimmed one, with no
+page faults.
+
+One place holds freed memory under either allocator: the start of a ZeRO-3 step, where FSDP2
+gathers the root unit (embeddings, final norm, head) into blocks the previous step's freed
+activations do not fit. There :func:`release` (glibc's trim, or tcmalloc's
+``MallocExtension_ReleaseFreeMemory``) runs before each forward pass unless
+``LORA_MALLOC_TRIM=0`` (:func:`releases_before_gather`).
 """
 
 from __future__ import annotations
