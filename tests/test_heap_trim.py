@@ -211,8 +211,8 @@ def test_release_returns_freed_memory(allocator, mode):
 
 
 _ZERO_STEP_SCRIPT = """
-import os, socket, sys
-import numpy as np, torch, torch.distributed as dist
+import sys
+import numpy as np, torch.distributed as dist
 import lora_core as lc
 import backends.torch as bk
 from backends.torch import distributed as bd
@@ -220,9 +220,7 @@ from lora_core.data.batching import collate
 from lora_core.models.llama import init_llama_weights, llama_config
 from lora_core.train import heap
 from lora_core.train.optim import AdamWConfig
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)  # no port to race for
 cfg = llama_config("tiny-llama")
 m = bk.LlamaForCausalLM(cfg)
 m.load_weights(init_llama_weights(cfg, 0))
@@ -243,12 +241,12 @@ print(" ".join(events))
 
 @pytest.mark.parametrize("zero,mode,events", [("3", "auto", "release forward release forward"),
                                               ("3", "0", "forward forward"), ("2", "auto", "forward forward")])  # fmt: skip
-def test_a_zero_3_step_releases_memory_before_its_forward(zero, mode, events):
+def test_a_zero_3_step_releases_memory_before_its_forward(zero, mode, events, tmp_path):
     """``parallel_train_step`` under ZeRO-3 calls ``heap.release`` before each forward pass
     (where FSDP2 gathers the root unit), not under stage 2 or with ``LORA_MALLOC_TRIM=0``
     (one gloo rank, FSDP2, a tiny Llama with LoRA, two steps)."""
     env = {**os.environ, "LORA_MALLOC_TRIM": mode, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _ZERO_STEP_SCRIPT, zero], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", _ZERO_STEP_SCRIPT, zero, str(tmp_path / "store")], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == events
