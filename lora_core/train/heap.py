@@ -120,9 +120,13 @@ def mode() -> str:
 def trims(mode_: str, grad_checkpoint: bool, quantized: bool) -> bool:
     """The rule: ``on`` always, ``off`` never, ``auto`` with activation checkpointing or a
     4-bit base, the methods chosen for their memory (the planner applies it too)."""
+    _check_mode(mode_)
+    return mode_ == "on" or (mode_ == "auto" and (grad_checkpoint or quantized))
+
+
+def _check_mode(mode_: str) -> None:
     if mode_ not in TRIM_MODES:
         raise ValueError(f"heap trim mode {mode_!r}: expected one of {TRIM_MODES}")
-    return mode_ == "on" or (mode_ == "auto" and (grad_checkpoint or quantized))
 
 
 def run_trims(kind: str, trim_kinds, mode_: str, grad_checkpoint: bool, quantized: bool) -> bool:
@@ -188,8 +192,7 @@ def releases_before_gather(mode_: str, zero: int) -> bool:
     (2 ranks, llama-bench 2 x 256, QLoRA+GC, rank 0): the step's own allocations peaked at 344 MB,
     at that gather, in every step; the anonymous memory after the first step at 573 MB under
     tcmalloc (479 in the first) and 585-595 under glibc (508), 540 and 515 with the release."""
-    if mode_ not in TRIM_MODES:
-        raise ValueError(f"heap trim mode {mode_!r}: expected one of {TRIM_MODES}")
+    _check_mode(mode_)
     return zero == 3 and mode_ != "off"
 
 
@@ -197,15 +200,18 @@ def release() -> bool:
     """Return the free memory the allocator holds to the OS: glibc's ``malloc_trim(0)``, or
     under tcmalloc (``lora_core.train.allocator``) its ``MallocExtension_ReleaseFreeMemory``
     (every free span). False, doing nothing, where ``LORA_MALLOC_TRIM=0`` or neither is there."""
-    if mode() == "off":
-        return False
     from .allocator import active
 
-    if active() == "tcmalloc":
-        fn = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
-        if fn is None:
-            return False
-        fn()
-        return True
-    lib = _libc()
-    return bool(lib.malloc_trim(0)) if lib is not None else False
+    if active() != "tcmalloc":
+        return trim()
+    if mode() == "off":
+        return False
+    if not _TCMALLOC_RELEASE:
+        _TCMALLOC_RELEASE.append(getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None))
+    if _TCMALLOC_RELEASE[0] is None:
+        return False
+    _TCMALLOC_RELEASE[0]()
+    return True
+
+
+_TCMALLOC_RELEASE: list = []  # tcmalloc's MallocExtension_ReleaseFreeMemory, looked up once
