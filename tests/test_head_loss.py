@@ -156,7 +156,7 @@ def test_gpu_pieces():
     a GPU's tiles (the H200 run of e8ad55d), the whole batch's loss held 2.5 GB (a8d4e9a's)."""
     from lora_core.train.recompute import mlp_chunk_rows
 
-    assert heap.head_piece_rows(2048, 128256) == 65 and heap.head_piece_rows(2048, 128256, "cuda") == 512
+    assert heap.head_piece_rows(2048, 128256) == 66 and heap.head_piece_rows(2048, 128256, "cuda") == 512
     assert heap.head_piece_rows(2048, 50257, "cuda") == 1280 and heap.head_piece_rows(300, 50257, "cuda") == 300
     assert heap.head_piece_rows(2048, 8 << 20, "cuda") == 64  # at least one tile
     assert heap.head_piece_rows(2048, 128256, "cuda", 1 << 40) == 2048

@@ -184,12 +184,13 @@ def test_frozen_head_keeps_one_logits_tensor_from_32_mb():
 
     s = SYSTEMS["ours-torch"]
     assert s.head_nv_frozen == 1 and s.head_nv == 3 and s.head_pieces and HEAD_FUSED_MIN_BYTES == HEAD_PIECE_BYTES == 32 * MB
-    assert head_piece_rows(256, 128256) == 65 and head_piece_rows(2048, 8000) == 1048 and head_piece_rows(10, 8000) == 10
+    assert head_piece_rows(256, 128256) == 66 and head_piece_rows(2048, 8000) == 1049 and head_piece_rows(10, 8000) == 10
+    assert head_piece_rows(256, 128256, rule="within") == 65 and head_piece_rows(2048, 8000, rule="within") == 1048
     cfg = llama_config("llama-bench", vocab_size=128256)
     per_nv = 256 * 128256 * 4 / MB * s.act_scale
     whole = dataclasses.replace(s, head_pieces=False)
     c = PlanConfig(method="lora", batch=1, seq=256, heap_trim="on", allocator="glibc")
-    assert plan(cfg, c, whole).activations - plan(cfg, c).activations == pytest.approx((1 - 65 / 256) * per_nv)
+    assert plan(cfg, c, whole).activations - plan(cfg, c).activations == pytest.approx((1 - 66 / 256) * per_nv)
     s = whole
     for method, nvs in (("lora", 1), ("full", 3)):
         c = PlanConfig(method=method, batch=1, seq=256, heap_trim="on", allocator="glibc")
@@ -405,6 +406,26 @@ def test_constants_are_the_documented_fit():
         assert {r["shape"] for r in fit_rows(rows, system, kind)} == set(FAMILY_FIT_SHAPES[(system, kind)])
         for n in names:
             assert got[n] == pytest.approx(SYSTEMS[system].family[kind][n], abs=0.01), (system, kind, n)
+
+
+def test_head_pieces_over_glibcs_ceiling_leave_its_heap():
+    """Today's pieces (``head_pieces="reach"``) reach glibc's mmap ceiling, so none is counted in
+    the retained heap; a run of before 0000000 (65 rows at 128256, 33.3 MB: from the heap) has its
+    piece counted there, the rule the bench JSONs without ``head_pieces`` are planned with."""
+    from lora_core.plan.memory import GLIBC_MMAP_MAX_MB
+
+    cfg = llama_config("llama-bench", vocab_size=128256)
+    for seq, system, alloc in ((256, "ours-torch", "glibc"), (1024, "ours-torch", "glibc"), (256, "ours-torch", "tcmalloc")):
+        now = plan(cfg, PlanConfig(method="lora", gc=True, batch=1, seq=seq, allocator=alloc))
+        before = plan(cfg, PlanConfig(method="lora", gc=True, batch=1, seq=seq, allocator=alloc, head_pieces="within"))
+        heap = SYSTEMS[system].tcmalloc["heap"] if alloc == "tcmalloc" else SYSTEMS[system].heap
+        one = 65 * 128256 * 4 / MB
+        assert 65 * 128256 * 4 < GLIBC_MMAP_MAX_MB * MB <= 66 * 128256 * 4
+        assert before.retained - now.retained == pytest.approx(heap * one), (seq, alloc)
+    with pytest.raises(ValueError, match="head_pieces 'half' is not one of"):
+        PlanConfig(head_pieces="half")
+    rows = bench_rows(BENCH_JSONS)
+    assert {r["head_pieces"] for r in rows if "head_pieces" not in r["settings"]} == {"within"}
 
 
 def test_bench_jsons_committed():

@@ -45,8 +45,8 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float 
 
 class _HeadNLL(torch.autograd.Function):
     """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (rows, V) logits live only
-    inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: 32 MB of
-    float32 logits on the CPU, 256 MB in 64-row panels on a GPU): each piece's input gradient is
+    inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: just over 32 MB
+    of float32 logits on the CPU, glibc's mmap ceiling; 256 MB in 64-row panels on a GPU): each piece's input gradient is
     computed here at once (its logits overwritten in place by ``softmax - (1-eps) onehot - eps/V``,
     then ``head``'s own backward from them) and kept, (N, E), for the backward pass, scaled there
     per position. The plain path keeps the log-probabilities from the forward pass to the backward

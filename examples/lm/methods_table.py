@@ -54,7 +54,8 @@ def split_key(key: str) -> tuple[str, str]:
 
 def predicted(settings: dict | None, system: str, method: str, measured: float | None, malloc: str | None = None) -> tuple:
     """The planner's peak (MB) for a row and its error (%) against ``measured``; ``settings``:
-    the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction);
+    the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction), and
+    the frozen head's piece rule (``head_pieces``; none recorded: "within", a run before 0000000);
     ``malloc``: the allocator the row ran under (``tcmalloc``; else glibc's, as before 98c5579)."""
     from lora_core.plan import SYSTEMS, bench_plan
 
@@ -64,7 +65,7 @@ def predicted(settings: dict | None, system: str, method: str, measured: float |
         p = bench_plan(settings["shape"], settings.get("layers"), settings["batch"], settings["block"], system, method,
                        settings.get("vocab"), ranks=settings.get("ranks") or 2, zero_engine=engine(settings, system),
                        heap_trim=settings.get("malloc_trim") or "off",
-                       allocator=malloc or "glibc").peak  # fmt: skip
+                       allocator=malloc or "glibc", head_pieces=settings.get("head_pieces", "within")).peak  # fmt: skip
     except ValueError:  # a method the system refuses (jittor's ZeRO-3): no plan, as no measurement
         return None, None
     return p, (None if not measured else 100 * (p - measured) / measured)

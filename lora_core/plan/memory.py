@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.allocator import wanted as under_tcmalloc
-from ..train.heap import HEAD_FUSED_MIN_BYTES, TRIM_MODES, head_piece_rows, run_trims
+from ..train.heap import HEAD_FUSED_MIN_BYTES, HEAD_PIECE_RULES, TRIM_MODES, head_piece_rows, run_trims
 from ..train.recompute import mlp_chunk_rows
 
 MB = 2**20
@@ -295,6 +295,9 @@ class PlanConfig:
     # LORA_ALLOCATOR's mode (lora_core.train.allocator): auto (ours-torch's Llama runs under
     # tcmalloc, as the commands run them where it is installed), glibc, tcmalloc
     allocator: str = "auto"
+    # the rule of the frozen head's pieces of rows on the CPU (``heap.head_piece_rows``): "reach"
+    # (today's: the fewest rows over glibc's mmap ceiling), "within" (a run before 0000000)
+    head_pieces: str = "reach"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -315,6 +318,8 @@ class PlanConfig:
             raise ValueError(f"heap_trim {self.heap_trim!r} is not one of {TRIM_MODES}")
         if self.allocator not in ALLOCATOR_MODES:
             raise ValueError(f"allocator {self.allocator!r} is not one of {ALLOCATOR_MODES}")
+        if self.head_pieces not in HEAD_PIECE_RULES:
+            raise ValueError(f"head_pieces {self.head_pieces!r} is not one of {HEAD_PIECE_RULES}")
         for name in ("r", "batch", "seq"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "r" else 1):
@@ -521,7 +526,7 @@ def _activations(a: Arch, c: PlanConfig, sysm: System, per_layer: dict, quantize
     # LoRA's loss keeps no (N, V) tensor (ours-torch, logits of HEAD_FUSED_MIN_BYTES or more)
     frozen_head = c.method != "full" and sysm.head_nv_frozen is not None and nv >= HEAD_FUSED_MIN_BYTES
     # ... and takes them in pieces of rows (System.head_pieces): one piece's (rows, V) at a time
-    piece = head_piece_rows(N, a.vocab, sysm.device, sysm.head_piece_bytes) / N if frozen_head and sysm.head_pieces else 1.0
+    piece = head_piece_rows(N, a.vocab, sysm.device, sysm.head_piece_bytes, c.head_pieces) / N if frozen_head and sysm.head_pieces else 1.0
     head = 4 * (a.hidden * (2 if c.method == "full" else 1)
                 + (sysm.head_nv_frozen * piece if frozen_head else sysm.head_nv) * a.vocab)  # fmt: skip
     exact = 0.0  # bytes of a frozen head's loss counted as allocated (System.frozen_head_exact)
@@ -699,6 +704,7 @@ def bench_plan(
     heap_trim: str = "auto",
     precision: str = "fp32",
     allocator: str = "auto",
+    head_pieces: str = "reach",
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
@@ -706,7 +712,8 @@ def bench_plan(
     in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
     ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed);
     ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``); ``precision``:
-    the run's (``examples.lm.gpu_bench --precision``); ``allocator``: its ``LORA_ALLOCATOR`` mode."""
+    the run's (``examples.lm.gpu_bench --precision``); ``allocator``: its ``LORA_ALLOCATOR`` mode;
+    ``head_pieces``: the rule of its frozen head's pieces (``PlanConfig.head_pieces``)."""
     from ..models import preset_config
     from ..models.gpt2 import GPT2Config
 
@@ -714,7 +721,8 @@ def bench_plan(
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
-                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision, allocator=allocator)  # fmt: skip
+                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision, allocator=allocator,
+                   head_pieces=head_pieces)  # fmt: skip
     if zero_engine:
         sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
     return plan(cfg, c, sysm)

@@ -233,6 +233,8 @@ def bench_rows(paths) -> list[dict]:
                 raise ValueError(f"{path}: {key}: repeats under different allocators {sorted(alloc)}")
             out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
                         "allocator": alloc.pop(),
+                        # the frozen head's piece rule (lora_core.train.heap), recorded since 0000000
+                        "head_pieces": s.get("head_pieces", "within"),
                         "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
                         "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip
     return out
@@ -250,7 +252,7 @@ def predict(row: dict, sysm: System | None = None) -> float:
     return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
                       s.get("vocab"), sysm, s.get("ranks") or 2,
                       s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto"),
-                      allocator=row.get("allocator", "glibc")).peak  # fmt: skip
+                      allocator=row.get("allocator", "glibc"), head_pieces=row.get("head_pieces", "reach")).peak  # fmt: skip
 
 
 def check(rows: list[dict]) -> list[dict]:

@@ -52,9 +52,14 @@ import os
 # which the three (N, V) tensors the plain path keeps come from (and stay in) the heap; smaller
 # heads keep the plain path (log-softmax's own kernels, the bits of earlier versions)
 HEAD_FUSED_MIN_BYTES = 32 << 20
-# ... and takes them in pieces of rows of at most this many bytes of float32 logits: at Llama 3's
-# 128256-token vocabulary and 4 x 512 tokens the whole (N, V) logits are 1 GB, a piece 32 MB
+# ... and takes them in pieces of rows: the fewest rows whose float32 logits reach this many bytes,
+# glibc's mmap ceiling, so that glibc maps every whole piece and returns it when it is freed (at
+# Llama 3's 128256-token vocabulary and 4 x 512 tokens the whole (N, V) logits are 1 GB, a piece 66
+# rows, 33.9 MB). Before 0000000 a piece was the most rows within it, 65 rows, 33.3 MB: just below
+# the ceiling, from glibc's heap, where freed pieces stayed (Llama-3.2-1B, 2 layers, 1 x 256,
+# LoRA+GC: peak anonymous 382 -> 326 MB; tcmalloc, the commands' default, keeps either the same)
 HEAD_PIECE_BYTES = 32 << 20
+HEAD_PIECE_RULES = ("reach", "within")  # the fewest rows reaching it (today's), the most within it (before)
 # The devices where activations are taken in such pieces (the frozen head's logits here, a frozen
 # MLP's recomputation in ``lora_core.train.recompute``): the CPU, whose allocators keep what a
 # whole-batch tensor grew the heap by. On a GPU the caching allocator reuses its blocks, and a
@@ -76,16 +81,22 @@ def panel_rows(limit_bytes: int, row_bytes: int) -> int:
     return max(ROW_MULTIPLE, limit_bytes // row_bytes // ROW_MULTIPLE * ROW_MULTIPLE)
 
 
-def head_piece_rows(tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None) -> int:
-    """Loss positions per piece of the frozen-head loss (``HEAD_PIECE_BYTES`` of float32 logits,
-    at least one row, at most ``tokens``): 65 at a 128256-token vocabulary, 1048 at 8000; on a
-    ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``) ``GPU_HEAD_PIECE_BYTES`` in whole
+def head_piece_rows(
+    tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None, rule: str = "reach"
+) -> int:
+    """Loss positions per piece of the frozen-head loss, at most ``tokens``: the fewest rows whose
+    float32 logits reach ``HEAD_PIECE_BYTES`` (66 at a 128256-token vocabulary, 1049 at 8000;
+    ``rule="within"``: the most rows within it, at least one, as before 0000000: 65 and 1048); on
+    a ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``) ``GPU_HEAD_PIECE_BYTES`` in whole
     64-row tiles (at least one): 512 at 128256, 1280 at GPT-2's 50257. ``piece_bytes``: that
     many bytes in place of the device's (the planner's record of a run made with other pieces)."""
     if tokens < 1 or vocab < 1:
         raise ValueError(f"head_piece_rows needs positive sizes, got tokens={tokens}, vocab={vocab}")
+    if rule not in HEAD_PIECE_RULES:
+        raise ValueError(f"head_piece_rows: rule {rule!r} is not one of {HEAD_PIECE_RULES}")
     if device in PIECE_DEVICES:
-        rows = max(1, (piece_bytes or HEAD_PIECE_BYTES) // (4 * vocab))
+        limit = piece_bytes or HEAD_PIECE_BYTES
+        rows = -(-limit // (4 * vocab)) if rule == "reach" else max(1, limit // (4 * vocab))
     else:
         rows = panel_rows(piece_bytes or GPU_HEAD_PIECE_BYTES, 4 * vocab)
     return min(tokens, rows)
