@@ -410,7 +410,7 @@ def test_constants_are_the_documented_fit():
 
 def test_head_pieces_over_glibcs_ceiling_leave_its_heap():
     """Today's pieces (``head_pieces="reach"``) reach glibc's mmap ceiling, so none is counted in
-    the retained heap; a run of before 0000000 (65 rows at 128256, 33.3 MB: from the heap) has its
+    the retained heap; a run of before 7b0a1cb (65 rows at 128256, 33.3 MB: from the heap) has its
     piece counted there, the rule the bench JSONs without ``head_pieces`` are planned with."""
     from lora_core.plan.memory import GLIBC_MMAP_MAX_MB
 

@@ -55,7 +55,7 @@ def split_key(key: str) -> tuple[str, str]:
 def predicted(settings: dict | None, system: str, method: str, measured: float | None, malloc: str | None = None) -> tuple:
     """The planner's peak (MB) for a row and its error (%) against ``measured``; ``settings``:
     the bench's ``shape``, ``layers``, ``vocab``, ``batch``, ``block`` (None: no prediction), and
-    the frozen head's piece rule (``head_pieces``; none recorded: "within", a run before 0000000);
+    the frozen head's piece rule (``head_pieces``; none recorded: "within", a run before 7b0a1cb);
     ``malloc``: the allocator the row ran under (``tcmalloc``; else glibc's, as before 98c5579)."""
     from lora_core.plan import SYSTEMS, bench_plan
 

@@ -296,7 +296,7 @@ class PlanConfig:
     # tcmalloc, as the commands run them where it is installed), glibc, tcmalloc
     allocator: str = "auto"
     # the rule of the frozen head's pieces of rows on the CPU (``heap.head_piece_rows``): "reach"
-    # (today's: the fewest rows over glibc's mmap ceiling), "within" (a run before 0000000)
+    # (today's: the fewest rows over glibc's mmap ceiling), "within" (a run before 7b0a1cb)
     head_pieces: str = "reach"
 
     def __post_init__(self):

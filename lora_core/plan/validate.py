@@ -233,7 +233,7 @@ def bench_rows(paths) -> list[dict]:
                 raise ValueError(f"{path}: {key}: repeats under different allocators {sorted(alloc)}")
             out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
                         "allocator": alloc.pop(),
-                        # the frozen head's piece rule (lora_core.train.heap), recorded since 0000000
+                        # the frozen head's piece rule (lora_core.train.heap), recorded since 7b0a1cb
                         "head_pieces": s.get("head_pieces", "within"),
                         "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
                         "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip

@@ -55,7 +55,7 @@ HEAD_FUSED_MIN_BYTES = 32 << 20
 # ... and takes them in pieces of rows: the fewest rows whose float32 logits reach this many bytes,
 # glibc's mmap ceiling, so that glibc maps every whole piece and returns it when it is freed (at
 # Llama 3's 128256-token vocabulary and 4 x 512 tokens the whole (N, V) logits are 1 GB, a piece 66
-# rows, 33.9 MB). Before 0000000 a piece was the most rows within it, 65 rows, 33.3 MB: just below
+# rows, 33.9 MB). Before 7b0a1cb a piece was the most rows within it, 65 rows, 33.3 MB: just below
 # the ceiling, from glibc's heap, where freed pieces stayed (Llama-3.2-1B, 2 layers, 1 x 256,
 # LoRA+GC: peak anonymous 382 -> 326 MB; tcmalloc, the commands' default, keeps either the same)
 HEAD_PIECE_BYTES = 32 << 20
@@ -86,7 +86,7 @@ def head_piece_rows(
 ) -> int:
     """Loss positions per piece of the frozen-head loss, at most ``tokens``: the fewest rows whose
     float32 logits reach ``HEAD_PIECE_BYTES`` (66 at a 128256-token vocabulary, 1049 at 8000;
-    ``rule="within"``: the most rows within it, at least one, as before 0000000: 65 and 1048); on
+    ``rule="within"``: the most rows within it, at least one, as before 7b0a1cb: 65 and 1048); on
     a ``device`` not in ``PIECE_DEVICES`` (a GPU: ``"cuda"``) ``GPU_HEAD_PIECE_BYTES`` in whole
     64-row tiles (at least one): 512 at 128256, 1280 at GPT-2's 50257. ``piece_bytes``: that
     many bytes in place of the device's (the planner's record of a run made with other pieces)."""
