@@ -348,6 +348,34 @@ def test_cli_prints_the_split(capsys):
     assert e.value.code == 2 and "shards nothing" in capsys.readouterr().err
 
 
+def test_cli_defaults_per_family_and_refusals(capsys):
+    """Without ``--targets`` LoRA adapts the family's usual projections (GPT-2: ``c_attn``, which a
+    Llama default would not name); ``--targets``/``--r`` with ``--method full`` and a negative
+    ``--overhead-mb`` are refused by name; ``--help`` shows the defaults."""
+    from lora_core.plan.cli import DEFAULT_TARGETS
+
+    assert main(["--model", "gpt2"]) == 0
+    want = plan(GPT2_PRESETS["gpt2"], PlanConfig(targets=DEFAULT_TARGETS["gpt2"]))
+    assert f"{'per-rank peak':24s} {want.peak:10.1f} MB" in capsys.readouterr().out
+    for argv, words in ((["--method", "full", "--targets", "q_proj"], "--method full trains every weight"),
+                        (["--method", "full", "--r", "4"], "--method full trains every weight"),
+                        (["--overhead-mb", "-100"], "--overhead-mb must be >= 0, got -100.0")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "llama-bench", *argv])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "micro-batch (rows per rank) (default: 2)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["--model", str(ROOT / "docs")])
+    assert "docs: a folder without a config.json" in capsys.readouterr().err
+    # sizes with three significant figures, whatever the model's size
+    assert main(["--model", "tiny-llama", "--method", "full"]) == 0
+    out = capsys.readouterr().out
+    n = plan(PRESETS["tiny-llama"], PlanConfig(method="full")).params
+    assert f"{n / 1e3:.3g} k parameters, {n / 1e3:.3g} k trainable" in out and " kFLOP (" in out, out
+
+
 def test_cli_heap_trim_mode(capsys):
     """``--heap-trim``: the run's ``LORA_MALLOC_TRIM`` mode; plain LoRA on a Llama trims only with ``on``."""
     peaks = {}

@@ -16,17 +16,27 @@ import argparse
 import dataclasses
 import sys
 
+from ..models.gpt2 import GPT2Config
 from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.heap import TRIM_MODES
 from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConfig, fmt_plan, plan, resolve_model
 
+# LoRA's adapted projections when --targets is not given: the studies' q, k, v, o for the Llama
+# family; GPT-2's fused qkv product (the paper adapts its q and v slices)
+DEFAULT_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj"), "gpt2": ("c_attn",)}
+DEFAULT_R = 8
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lora-plan", description="Predict a fine-tuning run's per-rank peak memory.")
+    p = argparse.ArgumentParser(prog="lora-plan", description="Predict a fine-tuning run's per-rank peak memory.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="config.json (or its folder) or a preset name")
     p.add_argument("--method", default="lora", choices=METHODS)
-    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated adapted projections")
-    p.add_argument("--r", type=int, default=8, help="LoRA rank")
+    p.add_argument("--targets", default=None,
+                   help="comma-separated adapted projections of LoRA and QLoRA (None: "
+                        f"{','.join(DEFAULT_TARGETS['llama'])} for the Llama family, {','.join(DEFAULT_TARGETS['gpt2'])} "
+                        "for GPT-2)")
+    p.add_argument("--r", type=int, default=None, help=f"LoRA rank (None: {DEFAULT_R})")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--gc", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--zero", type=int, default=0, help=f"ZeRO stage, one of {STAGES}")
@@ -36,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS))
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
                    help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
-    p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline")
+    p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline (MB)")
     p.add_argument("--heap-trim", default="auto", choices=TRIM_MODES,
                    help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
                         "auto: with --gc or a 4-bit base)")
@@ -49,9 +59,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.method == "full" and (args.targets is not None or args.r is not None):
+        p.error("--targets and --r choose LoRA's adapters; --method full trains every weight (leave them out)")
+    if args.overhead_mb is not None and args.overhead_mb < 0:
+        p.error(f"--overhead-mb must be >= 0, got {args.overhead_mb}")
     try:
         cfg, name = resolve_model(args.model)
-        c = PlanConfig(method=args.method, targets=tuple(t for t in args.targets.split(",") if t), r=args.r,
+        family = "gpt2" if isinstance(cfg, GPT2Config) else "llama"
+        targets = DEFAULT_TARGETS[family] if args.targets is None else tuple(t for t in args.targets.split(",") if t)
+        c = PlanConfig(method=args.method, targets=targets, r=DEFAULT_R if args.r is None else args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
                        seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim,
                        allocator=args.allocator)  # fmt: skip

@@ -198,16 +198,17 @@ SYSTEMS: dict[str, System] = {
     # Llama with the heap trimmed at each layer (4a04648; by default since c2cfa46 only with GC or
     # a 4-bit base): no growth by layer, nothing of full FT's activations kept, heap and act_scale
     # fitted (refitted at fb02de2, GC's MLP, NF4 quantization and the frozen-head logits in pieces:
-    # its GC and QLoRA rows measured again); a run that does not trim (GPT-2's layers never do) keeps
+    # its GC and QLoRA rows measured again; and at 7b0a1cb, the pieces over glibc's mmap ceiling: the
+    # 128k-vocabulary rows measured again); a run that does not trim (GPT-2's layers never do) keeps
     # the constants fitted before 4a04648 on the Llama rows measured without trimming
     "ours-torch": System("ours-torch", base_mb=146.0, load_mb=71.0, load_4bit_mb=0.0, mapped_kinds=("llama",),
-                         act_scale=0.875, heap=0.461, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
+                         act_scale=0.783, heap=0.513, heap_layers=0.0, full_heap=0.0, head_nv_frozen=1, deq_buffer_mb=16.0,
                          trim_kinds=("llama",),
                          untrimmed={"act_scale": 0.82, "heap": 0.613, "heap_layers": 0.188, "full_heap": 0.236},
                          # under tcmalloc (lora_core.train.allocator; the commands' default since dd3853f):
                          # baseline and load measured (tiny-llama's rows), heap and act_scale fitted on
-                         # the six shapes' rows at 98c5579/dd3853f, 954ff8f and fb02de2 (docs/planning.md)
-                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.767, "heap": 0.134, "heap_layers": 0.0,
+                         # the six shapes' rows at 98c5579/dd3853f, 954ff8f, fb02de2 and 5d35d43 (docs/planning.md)
+                         tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.782, "heap": 0.127, "heap_layers": 0.0,
                                    "full_heap": 0.0},
                          autocast=True, gc_frozen_mlp=True, head_pieces=True, frozen_casts_kept=False,
                          fsdp2_root_copies=1, note="PyTorch CPU, backends.torch"),
@@ -620,10 +621,18 @@ def flops_per_token(cfg, a: Arch, c: PlanConfig, total: int, trainable: int) -> 
     return float(f), how
 
 
+def _count(n: float, unit: str = "") -> str:
+    """``n`` with three significant figures and a decimal prefix: 1.24 B, 24.3 M, 38.9 k, 512."""
+    for scale, prefix in ((1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix}{unit}"
+    return f"{n:.3g} {unit}".rstrip()
+
+
 def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
     """The plan as the console prints it."""
     sysm = SYSTEMS[c.system]
-    lines = [f"model {name}: {p.params / 1e6:.1f} M parameters, {p.trainable / 1e6:.2f} M trainable "
+    lines = [f"model {name}: {_count(p.params)} parameters, {_count(p.trainable)} trainable "
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
              f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
              f"system {c.system} ({sysm.note})"
@@ -633,14 +642,17 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
              f"  {'optimizer state':22s} {p.optimizer:10.1f} MB",
              f"  {'activations':22s} {p.activations:10.1f} MB",
-             f"  {'allocator retention':22s} {p.retained:10.1f} MB",
+             f"  {'retained (freed, kept)' if c.method != 'full' else 'retained + activations':22s} {p.retained:10.1f} MB",
              f"  {'framework overhead':22s} {p.overhead:10.1f} MB",
              f"memory-mapped frozen weights {p.mapped:.1f} MB (checkpoint file pages: in RSS, not in the peak)",
              f"activations of one layer: {p.per_layer_nogc:.1f} MB without GC, {p.per_layer_gc:.1f} MB with GC "
              f"(its input); LM head and loss {p.head:.1f} MB"]  # fmt: skip
+    if c.method == "full":  # the retained line holds the backward's activations, alive with the gradients
+        lines.insert(7, "    (full fine-tuning: the activations freed in the backward pass stay allocated beside the "
+                        "gradients until the optimizer step, the peak)")  # fmt: skip
     lines += [f"    {k:36s} {v:8.1f} MB" for k, v in p.per_layer.items() if v]
     lines.append(
-        f"FLOPs per token {p.flops_per_token / 1e9:.3f} GFLOP ({p.flops_per_token / p.params:.2f} x N): {p.flops_note}"
+        f"FLOPs per token {_count(p.flops_per_token, 'FLOP')} ({p.flops_per_token / p.params:.2f} x N): {p.flops_note}"
     )
     return "\n".join(lines)
 
@@ -655,6 +667,8 @@ def resolve_model(spec: str):
 
     path = Path(spec)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: a folder without a config.json (a model folder holds one)")
         path = path / "config.json"
     if path.is_file():
         kind = read_json(path).get("model_type")
