@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 from lora_core.device import DEVICE_CHOICES
@@ -20,6 +21,25 @@ from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import TrainConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def doc_summary(doc: str) -> str:
+    """A command's ``--help`` description: the first paragraph of its module docstring as one
+    line, its closing ``::`` (the usage block that follows in the source) made a full stop."""
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    return first[:-2] + "." if first.endswith("::") else first
+
+
+def output_file(name: str, path: Path | None) -> None:
+    """Refuse, before any work, an output file option (``--json``) that names a folder."""
+    if path is not None and path.is_dir():
+        raise ValueError(f"{name} {path}: is a folder; give a file name")
+
+
+def positive(name: str, value: int | None) -> None:
+    """Refuse an option that must be a positive int (``--batch-size 0``, ``-2``), naming it."""
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def add_run_options(parser: argparse.ArgumentParser, *, set_help: str, grad_checkpoint: bool = True,
@@ -115,5 +135,33 @@ def with_quantize_note(note: str, args: argparse.Namespace) -> str:
     return f"{note} {extra}" if extra else note
 
 
+_QUANT_KEYS = ("quantize", "double_quant", "compute_dtype")
+
+
+def base_mismatch(adapter: Path | None, quant: dict) -> str | None:
+    """A warning where ``adapter`` was trained (by our train commands) on a base loaded other than
+    as ``quant`` asks (``quantize_kwargs``: a QLoRA adapter on a float32 base, a LoRA one on a 4-bit
+    base, other 4-bit settings), read off the base note in its ``adapter_config.json``
+    (``with_quantize_note``); None where they agree or the adapter records nothing of ours."""
+    if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
+        return None
+    try:
+        d = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader names a damaged file
+    note = d.get("base") or d.get("base_model_name_or_path") if isinstance(d, dict) else None
+    if not isinstance(note, str):
+        return None
+    trained = [t for t in note.split() if t.partition("=")[0] in _QUANT_KEYS]
+    if not trained and "lora_core_format" not in d:
+        return None  # another tool's adapter: its base's precision is not recorded
+    asked = [f"{k}={v}" for k, v in quant.items()]
+    if trained == asked:
+        return None
+    what = lambda fields: "a 4-bit base (" + " ".join(fields) + ")" if fields else "a full-precision base"  # noqa: E731
+    return (f"warning: {adapter} was trained on {what(trained)}; it is loaded on {what(asked)} here, so its results "
+            f"differ from the training run's (give the quantization options it was trained with)")
+
+
 __all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
-           "quantize_kwargs", "with_quantize_note"]
+           "quantize_kwargs", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive"]

@@ -148,7 +148,11 @@ def test_full_ft_checkpoint_loads_into_transformers_and_ours(backend, family, tm
     assert out["checkpoint"] == str(ckpt)
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json",
                                                       "trainer_state.safetensors"]
-    ours = backend.distilbert_from_pretrained(ckpt) if cls else backend.from_pretrained(ckpt)
+    # the run folder, or its latest file, means its latest checkpoint (examples.lm.evaluate --base RUN)
+    from lora_core.train.run_dir import checkpoint_of
+
+    assert checkpoint_of(tmp_path / "run") == checkpoint_of(tmp_path / "run" / "latest") == checkpoint_of(ckpt) == ckpt
+    ours = backend.distilbert_from_pretrained(ckpt) if cls else backend.from_pretrained(checkpoint_of(tmp_path / "run"))
     trained = model.state_numpy()
     assert all(np.array_equal(v, trained[n]) for n, v in ours.state_numpy().items())
     ids = np.array([c + t for c, t in _pairs(2, seed=5)])

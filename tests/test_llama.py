@@ -360,6 +360,28 @@ def test_bad_configs_refused_by_name(tmp_path):
                           ({"num_key_value_heads": 3}, "num_key_value_heads=3")):
         with pytest.raises(ValueError, match=words):
             spec.LlamaConfig.from_hf_dict({**base, **change})
+    # a causal LM of another family: the error lists the supported types, whichever reader meets it
+    (tmp_path / "neox").mkdir()
+    (tmp_path / "neox" / "config.json").write_text(json.dumps({**base, "model_type": "gpt_neox"}))
+    from lora_core.models.build import checkpoint_family
+    from lora_core.models.gpt2 import GPT2Config
+
+    assert checkpoint_family(tmp_path / "neox") == "gpt2"  # GPT-2's loader meets it
+    with pytest.raises(ValueError, match=r"model_type 'gpt_neox' is not supported.*'gpt2', 'llama', 'mistral', 'qwen2'"):
+        GPT2Config.from_hf_json(str(tmp_path / "neox" / "config.json"))
+    # both fields set (a v5 file with a legacy rope_scaling left in): transformers takes rope_scaling
+    both = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+    assert transformers.LlamaConfig(**copy.deepcopy(both)).rope_parameters["rope_type"] == "yarn"
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        spec.LlamaConfig.from_hf_dict(both)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}
+    both = {**base, "rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": llama3}
+    theirs = transformers.LlamaConfig(**copy.deepcopy(both)).rope_parameters
+    ours = spec.LlamaConfig.from_hf_dict(both)
+    assert theirs["rope_type"] == "llama3" and ours.rope_scaling == {k: v for k, v in llama3.items() if k != "rope_type"}
+    assert ours.rope_theta == theirs["rope_theta"] == 5e5
     cfg = spec.llama_config("tiny-mistral")
     with pytest.raises(ValueError, match="sliding_window=64"):
         spec.check_length(cfg, 65)

@@ -90,6 +90,28 @@ def test_prepare_writes_blocks_and_meta(prepared):
     assert sum(b.count(meta["eos_id"]) for b in blocks) == 2  # two documents
 
 
+def test_prepare_holds_out_a_fraction_or_says_why_not(prepared, tmp_path, capsys):
+    """Without ``--valid`` the last blocks are held out; a fraction that leaves nothing to train on
+    names the option; a missing tokenizer path is said to be missing (not tried on the hub)."""
+    from examples.lm import prepare as lm_prepare
+
+    root, out = prepared
+    tok = json.loads((out / "meta.json").read_text())["tokenizer"]
+    args = ["--tokenizer", tok, "--train", str(root / "a.txt"), str(root / "b.txt"), "--block-size", "32"]
+    assert lm_prepare.main(args + ["--valid-fraction", "0.25", "--out-dir", str(tmp_path / "q")]) == 0
+    meta = json.loads((tmp_path / "q" / "meta.json").read_text())
+    n = meta["train_blocks"] + meta["valid_blocks"]
+    assert meta["valid_blocks"] == round(n * 0.25) and meta["valid_files"] is None
+    capsys.readouterr()
+    assert lm_prepare.main(args + ["--valid-fraction", "0.999", "--out-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert f"--valid-fraction 0.999 of {n} training blocks holds out {n}, leaving none to train on" in err, err
+    args[1] = str(tmp_path / "no-tokenizer")
+    assert lm_prepare.main(args + ["--out-dir", str(tmp_path / "s")]) == 1
+    assert f"{tmp_path / 'no-tokenizer'}: no such tokenizer file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
 def _vocab(out):
     return json.loads((out / "meta.json").read_text())["vocab_size"]
 
@@ -195,6 +217,44 @@ def test_train_refuses_bad_folders_and_files_in_one_line(prepared, tmp_path, cap
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+    # a --random-init preset whose vocabulary the tokenizer outgrows: the option that fixes it
+    argv = ["--recipe", "lm-demo", "--random-init", "tiny-llama", "--no-progress", "--prepared", str(out),
+            "--out-dir", str(tmp_path / "r3")]  # fmt: skip
+    assert _vocab(out) > 128  # tiny-llama's vocabulary
+    assert lm_train.main(argv) == 1
+    assert f"(a --random-init model: give --vocab-size {_vocab(out)})" in capsys.readouterr().err
+
+
+def test_evaluate_and_generate_refuse_bad_options_in_one_line(prepared, tmp_path, capsys):
+    """Options and files of ``examples.lm.evaluate``/``generate`` that cannot work: one ``error:``
+    line naming the option or file, exit 1, before any model is built where they can be checked
+    before; a prompt that with ``--max-new-tokens`` outgrows the positions, before generating."""
+    from examples.lm import evaluate as lm_eval
+    from examples.lm import generate as lm_gen
+
+    root, out = prepared
+    run = root / "torch"
+    if not (run / "ckpt-6").is_dir():
+        _train("torch", root, out, "torch", "--save-base")
+    tok = json.loads((out / "meta.json").read_text())["tokenizer"]
+    bad, empty = tmp_path / "bad.txt", tmp_path / "empty.txt"
+    bad.write_bytes(b"The restaurant\nis \xff good\n")
+    empty.write_text("\n  \n")
+    ev = ["--backend", "torch", "--base", str(run / "base"), "--adapter", str(run), "--prepared", str(out)]
+    gen = ["--backend", "torch", "--base", str(run / "base"), "--adapter", str(run / "ckpt-6"), "--tokenizer", str(tok)]
+    for main, argv, words in (
+        (lm_eval.main, ev + ["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+        (lm_eval.main, ev + ["--json", str(tmp_path)], f"--json {tmp_path}: is a folder"),
+        (lm_gen.main, gen + ["--prompt", "It is", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (lm_gen.main, gen + ["--prompt", "It is", "--beam", "0"], "--beam must be >= 1, got 0"),
+        (lm_gen.main, gen + ["--prompts-file", str(bad)], f"{bad}: line 2, column 4: not UTF-8 text (byte 0xff)"),
+        (lm_gen.main, gen + ["--prompts-file", str(empty)], f"{empty}: empty file (no prompts)"),
+        (lm_gen.main, gen + ["--prompt", "It is", "--max-new-tokens", "200"],
+         "+ --max-new-tokens 200 exceeds the model's 128 positions"),
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and words in err, err
 
 
 @pytest.mark.gpu

@@ -5,12 +5,15 @@ loss log as without, in both backends)."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 
 import pytest
 from helpers import cls_train_argv, write_toy_sst2
 
 from examples.cls import train as cls_cli
-from examples.run_options import add_run_options, apply_run_options
+from examples.run_options import add_run_options, apply_run_options, base_mismatch, doc_summary, output_file, positive
 from lora_core.train.recipes import TrainConfig
 from lora_core.train.run_dir import read_log
 
@@ -62,3 +65,52 @@ def test_cls_grad_checkpoint_gives_the_same_loss_log(backend, cls_data, tmp_path
         assert cls_cli.main(argv) == 0, capsys.readouterr().err
         logs[gc] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
     assert len(logs[()]) == 4 and logs[()] == logs[("--grad-checkpoint",)]
+
+
+def test_help_descriptions_are_whole_sentences():
+    """``--help`` shows the docstring's first paragraph, not its first line cut mid-sentence."""
+    doc = """LoRA-train a causal LM (a Llama-family checkpoint, or
+    GPT-2) on packed text blocks::
+
+        python -m examples.lm.train ...
+    """
+    assert doc_summary(doc) == "LoRA-train a causal LM (a Llama-family checkpoint, or GPT-2) on packed text blocks."
+    assert doc_summary("One line.\n\nMore.") == "One line."
+    for module in ("examples.lm.train", "examples.lm.evaluate", "examples.lm.generate", "examples.nlg.decode"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        described = " ".join(out.stdout.split("\n\n")[1].split())
+        assert described.endswith("."), (module, described)
+
+
+def test_bad_option_values_and_output_folders_are_named(tmp_path):
+    for name, value in (("--batch-size", 0), ("--beam", -2)):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
+            positive(name, value)
+    positive("--beam", 1)
+    with pytest.raises(ValueError, match="--json .*: is a folder; give a file name"):
+        output_file("--json", tmp_path)
+    output_file("--json", tmp_path / "out.json")
+
+
+def test_an_adapter_on_another_base_than_it_trained_on_is_warned_of(tmp_path):
+    """The base note our train commands write into ``adapter_config.json`` (with the 4-bit
+    settings, ``with_quantize_note``) against the options the adapter is loaded with."""
+    q = {"quantize": "nf4", "double_quant": True, "compute_dtype": "float32"}
+    note = "runs/x/base quantize=nf4 double_quant=True compute_dtype=float32"
+    for name, cfg in (("ours", {"lora_core_format": 1, "base": note}), ("peft", {"base_model_name_or_path": note})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(cfg))
+        assert base_mismatch(tmp_path / name, q) is None
+        w = base_mismatch(tmp_path / name, {})
+        assert "trained on a 4-bit base (quantize=nf4 double_quant=True" in w and "loaded on a full-precision base" in w
+        assert "double_quant=False" in base_mismatch(tmp_path / name, dict(q, double_quant=False))
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"lora_core_format": 1, "base": "runs/x/base"}))
+    assert base_mismatch(tmp_path / "lora", {}) is None
+    assert "trained on a full-precision base; it is loaded on a 4-bit base" in base_mismatch(tmp_path / "lora", q)
+    # another tool's adapter records no precision: nothing to compare; no folder, no config: nothing
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "meta-llama/x"}))
+    assert base_mismatch(tmp_path / "hub", q) is None and base_mismatch(None, q) is None
+    assert base_mismatch(tmp_path / "none", q) is None

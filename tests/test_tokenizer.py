@@ -184,3 +184,14 @@ def test_decode_round_trip(vocab_dir, all_records):
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor encoder.json"):
         load_tokenizer(tmp_path)
+    # a path that is not there: said so, without trying the hub
+    for spec in (tmp_path / "nope", "./nope", "runs/x/tok"):
+        with pytest.raises(FileNotFoundError, match=f"{spec}: no such tokenizer file or folder$"):
+            load_tokenizer(spec)
+    # a tokenizer without the end-of-text token: the file named, where the token comes from
+    import tokenizers
+
+    bare = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    bare.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer.json: eos token '<\|endoftext\|>' is not in the vocabulary \(the end"):
+        load_tokenizer(tmp_path / "tokenizer.json")

@@ -320,6 +320,50 @@ def test_half_written_checkpoint_is_ignored(backend, toy, tmp_path):
         fit(out, resume=True)
 
 
+def test_resume_between_log_records_keeps_the_average(toy, tmp_path):
+    """``avg_loss`` averages the updates since the previous record; a run resumed from a checkpoint
+    between two records (save_every 3, log_every 4) logs the uninterrupted run's averages, bit for
+    bit (the window is part of the trainer state); a checkpoint written before that field resumes."""
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=3", "eval_every=0", "log_every=4"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    tr = read_encoded(toy["train"])
+
+    def fit(out, **kw):
+        model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+        return train(be, model, tr, None, cfg, out, max_steps=9, progress=False, **kw)
+
+    def records(out):
+        return [r for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
+
+    fit(tmp_path / "run")
+    first = records(tmp_path / "run")
+    assert [r["step"] for r in first] == [4, 8, 9]
+    fit(tmp_path / "run", resume_from=tmp_path / "run" / "ckpt-3")
+    again = records(tmp_path / "run")[3:]
+    assert [(r["step"], r["loss"], r["avg_loss"]) for r in again] == [(r["step"], r["loss"], r["avg_loss"]) for r in first]
+    state = json.loads((tmp_path / "run" / "ckpt-3" / "trainer_state.json").read_text())
+    assert state["window_steps"] == 3 and state["window_loss"] > 0
+    for k in ("window_loss", "window_steps"):  # as an older version wrote it
+        del state[k]
+    (tmp_path / "run" / "ckpt-3" / "trainer_state.json").write_text(json.dumps(state))
+    assert fit(tmp_path / "run", resume_from=tmp_path / "run" / "ckpt-3")["step"] == 9
+    assert records(tmp_path / "run")[-3]["avg_loss"] == first[0]["loss"]  # a window of step 4 alone
+
+
+def test_zero_on_one_process_says_it_shards_nothing(toy, tmp_path, capsys):
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["eval_every=0", "zero=2"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    train(be, model, read_encoded(toy["train"]), None, cfg, tmp_path / "run", max_steps=1, progress=False)
+    assert "note: ZeRO stage 2 on one process shards nothing" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- plot
 
 

@@ -122,8 +122,15 @@ def test_lm_qlora_curve_matches_torch_and_resumes_exactly(backend, data, capsys)
 
     last = _records(full, "eval")[-1]["valid_nll"]
     quant = {"quantize": "nf4", "double_quant": True, "compute_dtype": "float32"}
+    capsys.readouterr()
     res = evaluate(backend.NAME, full / "base", full, data["lm"], device="cpu", quant=quant)
     assert abs(res["nll"] - last) <= 1e-5 * last, (res, last)
+    assert "warning" not in capsys.readouterr().err
+    # ... and on the float32 base it was not trained on: evaluated, with a warning saying so
+    other = evaluate(backend.NAME, full / "base", full, data["lm"], device="cpu")
+    err = capsys.readouterr().err
+    assert "was trained on a 4-bit base (quantize=nf4 double_quant=True compute_dtype=float32)" in err, err
+    assert "loaded on a full-precision base" in err and other["nll"] != res["nll"]
 
 
 def test_nlg_qlora_differs_from_lora_and_matches_torch(backend, data):

@@ -39,6 +39,7 @@ from lora_core.data import cls_data
 from lora_core.models.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
 
 from ..bench_worker import environment, environment_line, run_as_worker, spawn
+from ..run_options import doc_summary
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
 BATCH, ACCUM, EVAL_BATCH, LR = 16, 2, 64, 2e-4
@@ -204,7 +205,7 @@ def summarise(raw: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data")
     ap.add_argument("--shape", choices=("distilbert", "tiny"), default="distilbert")

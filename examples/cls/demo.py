@@ -36,6 +36,7 @@ from lora_core.train.recipes import CLS_RECIPES
 from lora_core.train.trainer import read_log
 
 from ..nlg.demo import pin_threads
+from ..run_options import doc_summary
 
 
 def prepare_demo_data(data_dir: Path, out: Path, n_train: int | None) -> Path:
@@ -120,7 +121,7 @@ def _markdown(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.cls.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.cls.demo", description=doc_summary(__doc__))
     p.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data",
                    help="folder with sst2/ and distilbert-vocab/ (default ../shared/data)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/cls-demo"))

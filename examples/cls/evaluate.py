@@ -23,7 +23,7 @@ from lora_core.data import cls_data
 from lora_core.data.nlg import write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
 
-from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
+from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, quantize_kwargs
 from .prepare import read_prepared
 
 
@@ -42,6 +42,9 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     """``write_predictions`` of ``base`` + ``adapter``; ``quant``: ``distilbert_from_pretrained``'s
     4-bit arguments (``quantize="nf4"``, ...: the base a QLoRA adapter was trained on)."""
     bk = lc.get_backend(backend_name)
+    warning = base_mismatch(adapter, quant or {})
+    if warning:
+        print(warning, file=sys.stderr)
     model = bk.distilbert_from_pretrained(base, adapter=adapter, **(quant or {}))
     metrics = {"backend": backend_name, "base": str(base), "adapter": str(adapter) if adapter else None}
     return write_predictions(bk, model, prepared, out, metrics)
@@ -67,7 +70,7 @@ def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--backend", choices=lc.BACKENDS, default="torch")
     ap.add_argument("--base", type=Path, required=True, help="HF DistilBERT folder (config.json + weights)")
     ap.add_argument("--adapter", type=Path, help="adapter folder (ours or peft's)")

@@ -19,6 +19,8 @@ from pathlib import Path
 from lora_core.data import cls_data
 from lora_core.data.nlg import write_jsonl_atomic
 
+from ..run_options import doc_summary
+
 SPLITS = {"train": True, "dev": True, "test": False}  # split -> labelled
 
 
@@ -64,7 +66,7 @@ def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--data-dir", type=Path, required=True, help="folder with train.tsv, dev.tsv, test.tsv")
     ap.add_argument("--vocab", type=Path, required=True, help="BERT uncased vocab.txt")
     ap.add_argument("--out-dir", type=Path, required=True)

@@ -43,6 +43,8 @@ from lora_core.data.nlg import DataFormatError, read_jsonl
 from lora_core.formats.checkpoint import write_json_atomic
 from lora_core.train.schedule import linear_warmup_decay
 
+from ..run_options import doc_summary
+
 # BERT uncased vocab.txt (distilbert-base-uncased): 30522 WordPieces, these special ids.
 VOCAB_SIZE, PAD_ID, CLS_ID, SEP_ID, MASK_ID = 30522, 0, 101, 102, 103
 FINETUNE_DROPOUT = 0.1  # DistilBERT's dropout and attention_dropout, written to config.json
@@ -315,7 +317,7 @@ def pretrain_mlm(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--prepared", type=Path, required=True, help="output folder of examples.cls.prepare (train.jsonl)")
     ap.add_argument("--out-dir", type=Path, required=True)
     for k, v in DEFAULTS.items():

@@ -37,7 +37,7 @@ from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, quantize_kwargs
+from ..run_options import add_run_options, apply_run_options, doc_summary, quantize_kwargs
 from .evaluate import write_predictions
 from .prepare import read_prepared
 
@@ -119,7 +119,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
     p.add_argument("--recipe", default="sst2-distilbert", choices=sorted(CLS_RECIPES))
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.cls.prepare")

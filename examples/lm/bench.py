@@ -80,6 +80,7 @@ from lora_core.train.heap import mode as heap_mode
 
 from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
 from ..nlg.bench import _fmt, _names, code_version, log
+from ..run_options import doc_summary
 from .bench_shapes import (
     SHAPES,
     describe,
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return run_as_worker(run_worker, argv[1])
-    p = argparse.ArgumentParser(prog="python -m examples.lm.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.bench", description=doc_summary(__doc__))
     p.add_argument("--shape", default="llama-bench", choices=SHAPES,
                    help="a preset of lora_core.models.llama or lora_core.models.gpt2")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")

@@ -21,10 +21,18 @@ from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import write_text_atomic
-from lora_core.train.run_dir import find_checkpoint
+from lora_core.train.run_dir import checkpoint_of
 from lora_core.train.tasks import LMTask
 
-from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
+from ..run_options import (
+    add_quantize_options,
+    base_mismatch,
+    check_quantize,
+    doc_summary,
+    output_file,
+    positive,
+    quantize_kwargs,
+)
 from .train import check_fits, read_prepared
 
 
@@ -34,8 +42,11 @@ def evaluate(backend_name: str | None, base: Path, adapter: Path | None, prepare
     backends' ``from_pretrained`` arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     train_blocks, valid_blocks, meta = read_prepared(prepared)
-    if adapter is not None and (adapter / "latest").exists():
-        adapter = find_checkpoint(adapter)  # a run folder: its latest checkpoint
+    # a run folder (or its latest file): its latest checkpoint; a full fine-tuning run's is the base
+    base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
+    warning = base_mismatch(adapter, quant or {})
+    if warning:
+        print(warning, file=sys.stderr)
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     blocks = valid_blocks if split == "valid" else train_blocks
     check_fits(model, meta, blocks, prepared)
@@ -47,9 +58,10 @@ def evaluate(backend_name: str | None, base: Path, adapter: Path | None, prepare
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.lm.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.evaluate", description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
-    p.add_argument("--base", required=True, type=Path, help="the base checkpoint folder")
+    p.add_argument("--base", required=True, type=Path,
+                   help="the base checkpoint folder (or the run folder of a --method full run: its latest checkpoint)")
     p.add_argument("--adapter", type=Path, help="a checkpoint of examples.lm.train, its run folder, or a peft adapter")
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.lm.prepare")
     p.add_argument("--split", choices=("valid", "train"), default="valid")
@@ -60,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_quantize(args)
+        positive("--batch-size", args.batch_size)
+        output_file("--json", args.json)
         res = evaluate(args.backend, args.base, args.adapter, args.prepared, args.split, args.batch_size, args.device,
                        quantize_kwargs(args))
     except (ValueError, OSError) as e:

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer
+from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer, read_utf8
 from lora_core.generate.beam import BeamConfig
-from lora_core.train.run_dir import find_checkpoint
+from lora_core.train.run_dir import checkpoint_of
+from lora_core.train.tasks import max_positions
 
-from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
+from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, positive, quantize_kwargs
 
 
 def generate(backend_name: str | None, base: Path, adapter: Path | None, tokenizer: Path, prompts: list[str],
@@ -29,8 +30,11 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     tok = load_text_tokenizer(tokenizer)
-    if adapter is not None and (adapter / "latest").exists():
-        adapter = find_checkpoint(adapter)
+    # a run folder (or its latest file): its latest checkpoint; a full fine-tuning run's is the base
+    base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
+    warning = base_mismatch(adapter, quant or {})
+    if warning:
+        print(warning, file=sys.stderr)
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
     backend.to_device(model, device)
@@ -38,15 +42,21 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     empty = [i for i, c in enumerate(contexts) if not c]
     if empty:
         raise ValueError(f"prompt {empty[0] + 1} is empty")
+    longest = max(len(c) for c in contexts)
+    if longest + max_new_tokens > max_positions(model):
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                         f"model's {max_positions(model)} positions: give at most {max_positions(model) - longest} "
+                         f"new tokens or a shorter prompt")  # fmt: skip
     cfg = BeamConfig(beam=beam, max_new_tokens=max_new_tokens, no_repeat_ngram_size=0, stop_ids=(tok.eos_id,))
     outs = backend.beam_search(model, contexts, cfg, batch_size=min(8, len(contexts)))
     return [tok.decode([t for t in o if t != tok.eos_id]) for o in outs]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.lm.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.generate", description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
-    p.add_argument("--base", required=True, type=Path, help="the base checkpoint folder")
+    p.add_argument("--base", required=True, type=Path,
+                   help="the base checkpoint folder (or the run folder of a --method full run: its latest checkpoint)")
     p.add_argument("--adapter", type=Path, help="a checkpoint of examples.lm.train, its run folder, or a peft adapter")
     p.add_argument("--tokenizer", required=True, type=Path, help="as for examples.lm.prepare")
     src = p.add_mutually_exclusive_group(required=True)
@@ -59,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_quantize(args)
-        prompts = args.prompt or [ln for ln in args.prompts_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        positive("--max-new-tokens", args.max_new_tokens)
+        positive("--beam", args.beam)
+        prompts = args.prompt or [ln for ln in read_utf8(args.prompts_file, "prompts").splitlines() if ln.strip()]
         outs = generate(args.backend, args.base, args.adapter, args.tokenizer, prompts, args.max_new_tokens, args.beam,
                         args.device, quantize_kwargs(args))
-    except (ValueError, OSError, UnicodeDecodeError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for prompt, out in zip(prompts, outs):

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..run_options import doc_summary
 from .bench import write_inputs
 from .bench_shapes import SHAPES, shape_config
 from .bench_shapes import targets as targets_of
@@ -205,7 +206,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.lm.gpu_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.gpu_bench", description=doc_summary(__doc__))
     p.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")

@@ -25,6 +25,8 @@ from pathlib import Path
 from lora_core.data.nlg import write_jsonl_atomic, write_text_atomic
 from lora_core.data.text import load_text_tokenizer, pack_blocks, read_documents, tokenize_documents
 
+from ..run_options import doc_summary
+
 
 def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_size: int, out_dir: Path,
             valid_fraction: float = 0.05) -> dict:
@@ -39,8 +41,11 @@ def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_
         if not 0 < valid_fraction < 1:
             raise ValueError(f"--valid-fraction must be in (0, 1), got {valid_fraction}")
         n = max(1, round(len(train_blocks) * valid_fraction))
+        if len(train_blocks) < 2:
+            raise ValueError(f"{len(train_blocks)} block of training text: too few to hold some out; give --valid")
         if n >= len(train_blocks):
-            raise ValueError(f"{len(train_blocks)} block(s) of training text: too few to hold some out; give --valid")
+            raise ValueError(f"--valid-fraction {valid_fraction} of {len(train_blocks)} training blocks holds out {n}, "
+                             f"leaving none to train on: give a smaller --valid-fraction, or --valid")  # fmt: skip
         train_blocks, valid_blocks = train_blocks[:-n], train_blocks[-n:]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(out_dir / "train.jsonl", [{"ids": b} for b in train_blocks])
@@ -56,7 +61,7 @@ def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.lm.prepare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.prepare", description=doc_summary(__doc__))
     p.add_argument("--tokenizer", required=True, type=Path,
                    help="GPT-2 vocabulary folder, a checkpoint folder with tokenizer.json, or a tokenizer.json")
     p.add_argument("--train", required=True, type=Path, nargs="+", help="text files (one document each)")

@@ -55,7 +55,7 @@ from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import LMTask, max_positions
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, quantize_kwargs, with_quantize_note
+from ..run_options import add_run_options, apply_run_options, doc_summary, quantize_kwargs, with_quantize_note
 
 RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
 
@@ -131,7 +131,7 @@ def check_fits(model, meta: dict, blocks: list[dict], prepared: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.lm.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lm.train", description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
     p.add_argument("--recipe", default="wikitext2-llama", choices=sorted(LM_RECIPES))
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.lm.prepare")
@@ -166,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, comm)
-        check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
+        try:
+            check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
+        except ValueError as e:
+            if args.random_init and not args.vocab_size and "tokenizer" in str(e):
+                raise ValueError(f"{e} (a --random-init model: give --vocab-size {meta['vocab_size']})") from None
+            raise
         if cfg.method == "lora":
             backend.inject_lora(model, recipe.lora)
         backend.to_device(model, args.device)

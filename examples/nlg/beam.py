@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 import lora_core
@@ -31,7 +32,7 @@ from lora_core.train.distributed import batch_shard, gather_outputs, run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 
-from ..run_options import add_quantize_options, check_quantize, quantize_kwargs
+from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, quantize_kwargs
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
@@ -47,7 +48,7 @@ def write_beam_jsonl(path, outputs: list[list[int]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.nlg.beam", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.nlg.beam", description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None)
     p.add_argument("--base", required=True, help="base checkpoint (HF/OpenAI files or save_model folder)")
     p.add_argument("--adapter", help="adapter folder (adapter_config.json + adapter.safetensors)")
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         comm = job.start(backend, a.dist_timeout)
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
+        warning = base_mismatch(a.adapter, quantize_kwargs(a))
+        if warning and comm.world.is_main:
+            print(warning, file=sys.stderr)
         model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False, **quantize_kwargs(a))
         backend.to_device(model, a.device)
         backend.set_precision(model, a.precision)

@@ -67,6 +67,7 @@ from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.precision import PRECISIONS
 
 from ..bench_worker import environment, environment_line, run_as_worker, spawn
+from ..run_options import doc_summary
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")  # the default set
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return run_as_worker(run_worker, argv[1])
-    p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=doc_summary(__doc__))
     p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
     p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (default all)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")

@@ -24,9 +24,11 @@ from lora_core.data.convert import convert
 from lora_core.data.tokenizer import load_tokenizer
 from lora_core.generate.decode import make_eval_files
 
+from ..run_options import doc_summary
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.nlg.decode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.nlg.decode", description=doc_summary(__doc__))
     parser.add_argument("--vocab", required=True, help="tokenizer folder/file or hub name used for encoding")
     parser.add_argument("--beam", type=Path, required=True, help="beam-search JSONL")
     parser.add_argument("--test", type=Path, required=True, help="test data: formatted .jsonl, or raw E2E .txt")

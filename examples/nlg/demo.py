@@ -43,6 +43,7 @@ from lora_core.generate.decode import make_eval_files
 from lora_core.train.recipes import get_recipe
 from lora_core.train.trainer import read_log, train
 
+from ..run_options import doc_summary
 from .beam import decode_contexts, write_beam_jsonl
 
 
@@ -199,7 +200,7 @@ def write_samples(out: Path, groups, runs: dict, tok, n: int = 5) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.nlg.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.nlg.demo", description=doc_summary(__doc__))
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--data-dir", type=Path, help="real data (e2e/*.txt, gpt2-vocab/); default: the toy set")
     p.add_argument("--backends", default="torch,jittor")

@@ -31,6 +31,7 @@ from lora_core.data.toy import train_toy_tokenizer
 from lora_core.train.recipes import get_recipe
 from lora_core.train.trainer import read_log, train
 
+from ..run_options import doc_summary
 from .beam import decode_contexts
 from .demo import pretrain_base
 
@@ -75,7 +76,7 @@ def _compare(tok, cfg, base, enc, groups, out: Path, steps: int, dropout: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.nlg.parity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.nlg.parity", description=doc_summary(__doc__))
     p.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
     p.add_argument("--out", type=Path, default=Path("runs/parity"))
     p.add_argument("--steps", type=int, default=200)

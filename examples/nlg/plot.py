@@ -16,6 +16,8 @@ from pathlib import Path
 
 from lora_core.train.trainer import read_log
 
+from ..run_options import doc_summary
+
 
 def _series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
     pts = sorted({r["step"]: r[key] for r in records if r.get("kind") == kind and r.get(key) is not None}.items())
@@ -66,7 +68,7 @@ def plot(logs: list[Path], labels: list[str], out: Path, title: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.nlg.plot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.nlg.plot", description=doc_summary(__doc__))
     parser.add_argument("logs", nargs="+", type=Path, metavar="LOG.jsonl")
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     parser.add_argument("--labels", nargs="+", help="one per log (default: the log's folder name)")

@@ -25,6 +25,8 @@ from lora_core.data.nlg import write_jsonl_atomic
 from lora_core.data.tokenizer import encode_file, load_tokenizer
 from lora_core.data.toy import make_toy_dataset
 
+from ..run_options import doc_summary
+
 
 def _split_arg(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
@@ -63,7 +65,7 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.nlg.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.nlg.prepare", description=doc_summary(__doc__))
     sub = parser.add_subparsers(dest="kind", required=True)
     for kind in CONVERTERS:
         p = sub.add_parser(kind, help=f"convert {kind} inputs" if kind != "formatted" else "encode formatted JSONL")

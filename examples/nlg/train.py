@@ -47,7 +47,7 @@ from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.train.run_dir import check_out_dir
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, quantize_kwargs, with_quantize_note
+from ..run_options import add_run_options, apply_run_options, doc_summary, quantize_kwargs, with_quantize_note
 
 
 def build(backend, args, lora, comm):
@@ -80,7 +80,7 @@ def build(backend, args, lora, comm):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's options."""
-    parser = argparse.ArgumentParser(prog="python -m examples.nlg.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.nlg.train", description=doc_summary(__doc__))
     parser.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
     parser.add_argument("--recipe", required=True, choices=sorted(RECIPES))
     parser.add_argument("--train", required=True, type=Path, help="encoded training JSONL")

@@ -22,32 +22,35 @@ from pathlib import Path
 
 from .tokenizer import EOS_TOKEN, Tokenizer, load_tokenizer
 
-__all__ = ["read_documents", "load_text_tokenizer", "pack_blocks", "check_tokenizer_fits", "tokenize_documents"]
+__all__ = ["read_utf8", "read_documents", "load_text_tokenizer", "pack_blocks", "check_tokenizer_fits", "tokenize_documents"]
+
+
+def read_utf8(path: str | os.PathLike, what: str = "text to train on") -> str:
+    """The text of one file, strictly: a missing file, a folder, a file that is not UTF-8 (the
+    message names the line and column) or holds only whitespace raises ValueError naming the
+    file (``what``: what the empty file lacks, for the message)."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{p}: not a file")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{p}: line {line}, column {col}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+    if not text.strip():
+        raise ValueError(f"{p}: empty file (no {what})")
+    return text
 
 
 def read_documents(paths: Sequence[str | os.PathLike]) -> list[tuple[str, str]]:
-    """``(path, text)`` of each file, strictly: a missing file, a folder, a file that is not
-    UTF-8 (the message names the line and column) or holds only whitespace raises ValueError
-    naming the file."""
+    """``(path, text)`` of each file, strictly (:func:`read_utf8`)."""
     if not paths:
         raise ValueError("no text files given")
-    out = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise ValueError(f"{p}: no such file")
-        if not p.is_file():
-            raise ValueError(f"{p}: not a file")
-        raw = p.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw.count(b"\n", 0, e.start) + 1
-            col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-            raise ValueError(f"{p}: line {line}, column {col}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
-        if not text.strip():
-            raise ValueError(f"{p}: empty file (no text to train on)")
-        out.append((str(p), text))
-    return out
+    return [(str(p), read_utf8(p)) for p in map(Path, paths)]
 
 
 def load_text_tokenizer(spec: str | os.PathLike) -> Tokenizer:

@@ -96,19 +96,30 @@ def load_tokenizer(spec: str | os.PathLike, eos_token: str = EOS_TOKEN) -> Token
     path = Path(spec)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
-            return Tokenizer(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), eos_token)
+            return _named(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), eos_token, path)
         if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
-            return Tokenizer(_from_vocab_files(path / "encoder.json", path / "vocab.bpe"), eos_token)
+            return _named(_from_vocab_files(path / "encoder.json", path / "vocab.bpe"), eos_token, path)
         raise FileNotFoundError(f"{path}: holds neither tokenizer.json nor encoder.json + vocab.bpe")
     if path.is_file():
-        return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), eos_token)
+        return _named(tokenizers.Tokenizer.from_file(str(path)), eos_token, path)
+    if path.is_absolute() or str(spec).startswith((".", "~")) or len(path.parts) > 2:  # a path, not a hub name
+        raise FileNotFoundError(f"{spec}: no such tokenizer file or folder")
     try:
         backend = tokenizers.Tokenizer.from_pretrained(str(spec))
     except Exception as e:  # tokenizers raises a bare Exception for hub failures
         raise FileNotFoundError(
-            f"{spec!r} is not a tokenizer folder or file, and loading it from the Hugging Face hub failed: {e}"
+            f"{spec}: no such tokenizer file or folder, and loading it from the Hugging Face hub failed: {e}"
         ) from None
-    return Tokenizer(backend, eos_token)
+    return _named(backend, eos_token, spec)
+
+
+def _named(backend, eos_token: str, where) -> Tokenizer:
+    """``Tokenizer(backend, eos_token)``; a missing end-of-text token names the tokenizer."""
+    try:
+        return Tokenizer(backend, eos_token)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} (the end-of-text token: tokenizer_config.json's eos_token beside it, "
+                         f"else GPT-2's '<|endoftext|>')") from None  # fmt: skip
 
 
 def encode_example(tok: Tokenizer, context: str, completion: str) -> tuple[list[int], list[int]]:

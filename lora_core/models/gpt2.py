@@ -148,7 +148,10 @@ class GPT2Config:
         configs) are not taken: the LoRA paper's code trains with them at 0, our default."""
         d = read_json(path)  # a cut or garbled file: CheckpointError naming it
         if d.get("model_type", "gpt2") != "gpt2":
-            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not gpt2")
+            from .llama import MODEL_TYPES
+
+            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not supported; the causal LMs read are "
+                             f"{('gpt2',) + MODEL_TYPES} (and 'distilbert' for classification)")  # fmt: skip
         keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
         return cls(**{k: d[k] for k in keys if k in d})
 

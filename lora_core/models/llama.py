@@ -117,7 +117,10 @@ class LlamaConfig:
             raise ValueError(f"{where}: hidden_act {act!r} is not supported; the Llama family's MLP uses 'silu'")
         if d.get("pretraining_tp", 1) != 1:
             raise ValueError(f"{where}: pretraining_tp={d['pretraining_tp']} is not supported (only 1)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        # transformers 5 reads a legacy ``rope_scaling`` over ``rope_parameters`` when both are set
+        # (``convert_rope_params_to_dict``: ``rope_scaling or rope_parameters``), its theta from
+        # that dict or else the top-level ``rope_theta``
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:

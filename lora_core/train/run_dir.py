@@ -49,6 +49,7 @@ __all__ = [
     "read_log",
     "write_checkpoint",
     "read_checkpoint",
+    "checkpoint_of",
     "remove_temp_files",
     "open_run_dir",
     "truncate_log",
@@ -58,6 +59,9 @@ LOG_FILE, CONFIG_FILE, LATEST_FILE = "log.jsonl", "train_config.json", "latest"
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 FORMAT_VERSION = 1
 STATE_FIELDS = ("step", "epoch", "batch_in_epoch", "examples_seen", "tokens_seen")
+# ... and the fields written since, each with the value a checkpoint without it resumes with: the
+# loss sum and update count since the last "train" log record (its avg_loss, exact across a resume)
+STATE_SINCE = {"window_loss": 0.0, "window_steps": 0}
 
 
 def fingerprint(pairs) -> str:
@@ -108,6 +112,21 @@ def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     if path is not None and not (path / STATE_JSON).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_JSON})")
     return path
+
+
+def checkpoint_of(path: str | os.PathLike) -> Path:
+    """The checkpoint folder a user means by ``path``: a run folder of the train commands (its
+    ``latest`` checkpoint, :func:`find_checkpoint`), that ``latest`` file itself, or ``path`` as
+    it is (a checkpoint or model folder)."""
+    p = Path(path)
+    if p.name == LATEST_FILE and p.is_file():
+        p = p.parent
+    if (p / LATEST_FILE).is_file():
+        found = find_checkpoint(p)
+        if found is None:
+            raise FileNotFoundError(f"{p}: a run folder without a checkpoint")
+        return found
+    return p
 
 
 def resume_point(
@@ -234,7 +253,10 @@ def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
     bad = [k for k in STATE_FIELDS if type(meta.get(k)) is not int]
     if bad:
         raise CheckpointError(f"{path / STATE_JSON}: not a trainer state (no integer {bad})")
-    return tensors, opt, meta
+    odd = [k for k, v in STATE_SINCE.items() if k in meta and type(meta[k]) not in (type(v), int)]
+    if odd:
+        raise CheckpointError(f"{path / STATE_JSON}: not a trainer state ({odd} of the wrong type)")
+    return tensors, opt, {**STATE_SINCE, **meta}
 
 
 def _with_defaults(saved: dict) -> dict:

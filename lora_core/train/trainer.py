@@ -122,6 +122,10 @@ class TrainerState:
     batch_in_epoch: int = 0
     examples_seen: int = 0
     tokens_seen: int = 0
+    # the loss sum and updates since the last "train" log record (its ``avg_loss``), so that a run
+    # resumed between two records logs the uninterrupted run's average (``run_dir.STATE_SINCE``)
+    window_loss: float = 0.0
+    window_steps: int = 0
 
 
 class Trainer:
@@ -178,6 +182,9 @@ class Trainer:
             self.optimizer = backend.parallel_adamw(self.dp, backend.trainable_parameters(model), cfg.adamw_config())
         else:
             self.optimizer = backend.AdamW(backend.trainable_parameters(model), cfg.adamw_config())
+            if cfg.zero:
+                print(f"note: ZeRO stage {cfg.zero} on one process shards nothing: this run trains as stage 0 "
+                      "(launch several processes with torchrun or mpirun to shard)", file=sys.stderr)  # fmt: skip
         self.state = TrainerState()
 
     # ---------------------------------------------------------------- run set-up
@@ -322,7 +329,7 @@ class Trainer:
     def _loop(self, pairs, valid, total: int, per_epoch: int, kill_after: int | None, masks) -> dict:
         cfg, be, s = self.cfg, self.backend, self.state
         bar = step_bar(total, s.step, f"train[{be.NAME}]", self.progress)
-        window = dict(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+        window = dict(n=0, time=0.0, examples=0, tokens=0)  # this process's updates since the last record
         start_step, result = s.step, {}
         while s.step < total:
             batches = epoch_batches(len(pairs), cfg.batch_size, cfg.seed, s.epoch, cfg.last_batch)
@@ -340,8 +347,9 @@ class Trainer:
                 s.examples_seen, s.tokens_seen = s.examples_seen + len(idx), s.tokens_seen + tokens
                 if s.batch_in_epoch == len(batches):
                     s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-                for k, v in (("loss", out["loss"]), ("n", 1), ("time", dt), ("examples", len(idx)), ("tokens", tokens)):
+                for k, v in (("n", 1), ("time", dt), ("examples", len(idx)), ("tokens", tokens)):
                     window[k] += v
+                s.window_loss, s.window_steps = s.window_loss + out["loss"], s.window_steps + 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{lr:.2e}", refresh=False)
                 result = self._after_step(out, lr, window, total, per_epoch, valid)
@@ -402,7 +410,7 @@ class Trainer:
                     "epoch": round(s.step / per_epoch, 4),
                     "lr": lr,
                     "loss": out["loss"],
-                    "avg_loss": w["loss"] / w["n"],
+                    "avg_loss": s.window_loss / s.window_steps,
                     "grad_norm": None if norm is None or math.isnan(norm) else norm,
                     "ms_per_batch": 1000 * w["time"] / w["n"],
                     "examples_per_s": w["examples"] / w["time"],
@@ -411,7 +419,8 @@ class Trainer:
                     **precision_log(self.optimizer),  # fp16: skipped_steps, loss_scale
                 }
             )
-            window.update(loss=0.0, n=0, time=0.0, examples=0, tokens=0)
+            window.update(n=0, time=0.0, examples=0, tokens=0)
+            s.window_loss, s.window_steps = 0.0, 0
         if valid and cfg.eval_every and s.step % cfg.eval_every == 0:
             result.update(self._evaluate(valid, per_epoch))
         if cfg.save_every and s.step % cfg.save_every == 0:
