@@ -371,10 +371,11 @@ def _parse(text: str, tp, key: str):
             return None
         inner = [a for a in args if a is not type(None)]
         return _parse(text, inner[0], key)
-    if origin is Literal:
-        if text not in args:
-            raise ValueError(f"override {key}={text!r}: choose one of {list(args)}")
-        return text
+    if origin is Literal:  # the choices may be ints (zero: 0, 2, 3): matched by how they print
+        for a in args:
+            if str(a) == text:
+                return a
+        raise ValueError(f"override {key}={text!r}: choose one of {list(args)}")
     if origin is tuple:
         parts = [p.strip() for p in text.split(",")]
         if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
