@@ -158,9 +158,12 @@ def base_mismatch(adapter: Path | None, quant: dict) -> str | None:
     asked = [f"{k}={v}" for k, v in quant.items()]
     if trained == asked:
         return None
-    what = lambda fields: "a 4-bit base (" + " ".join(fields) + ")" if fields else "a full-precision base"  # noqa: E731
-    return (f"warning: {adapter} was trained on {what(trained)}; it is loaded on {what(asked)} here, so its results "
-            f"differ from the training run's (give the quantization options it was trained with)")
+    return (f"warning: {adapter} was trained on {_base_kind(trained)}; it is loaded on {_base_kind(asked)} here, so "
+            f"its results differ from the training run's (give the quantization options it was trained with)")
+
+
+def _base_kind(fields: list[str]) -> str:
+    return f"a 4-bit base ({' '.join(fields)})" if fields else "a full-precision base"
 
 
 __all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
