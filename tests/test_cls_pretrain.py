@@ -209,5 +209,11 @@ def test_bad_input(sentences, tmp_path, capsys):
     write_jsonl_atomic(tmp_path / "p" / "train.jsonl", [{"ids": s, "label": 1} for s in sentences[:8]])
     assert pretrain.main(["--prepared", str(tmp_path / "p"), *cli, "--steps", "0"]) == 2
     assert "steps must be an int >= 1, got 0" in capsys.readouterr().err
+    assert pretrain.main(["--prepared", str(tmp_path / "p"), *cli, "--warmup", "5"]) == 2
+    assert "--warmup must be in [0, --steps=2), got 5" in capsys.readouterr().err
     assert pretrain.main(["--prepared", str(tmp_path / "p"), *cli]) == 0
     assert "2 steps" in capsys.readouterr().out and (tmp_path / "cli" / "model.safetensors").is_file()
+    # without --warmup a tenth of --steps (the default 320 would not fit 2 steps)
+    no_warmup = [a for a in cli if a not in ("--warmup", "0")]
+    no_warmup[no_warmup.index("--out-dir") + 1] = str(tmp_path / "cli2")
+    assert pretrain.main(["--prepared", str(tmp_path / "p"), *no_warmup]) == 0

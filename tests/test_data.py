@@ -113,6 +113,7 @@ def test_bad_utf8(tmp_path):
     "lines, line, reason",
     [
         (['{"context": "a", "completion": "b"}', '{"context": "a", "completion": '], 2, "broken JSON"),
+        (['{"context": [1,2'], 1, "broken JSON: Expecting ',' delimiter at column 17"),  # the column on its line
         (['{"context": "a", "completion": "b"}', '{"context": "a"}'], 2, "missing field 'completion'"),
         (['{"context": "a", "completion": " "}'], 1, "empty completion"),
         (['{"context": "a", "completion": 3}'], 1, "must be a string"),

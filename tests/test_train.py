@@ -235,6 +235,7 @@ def test_recipes_and_overrides():
     assert apply_overrides(TrainConfig(), ["zero=2"]).zero == 2 and apply_overrides(TrainConfig(), ["zero=0"]).zero == 0
     bad = {
         "zero=1": "choose one of [0, 2, 3]",
+        "lora_r=0": "an int >= 1 with method 'lora'",
         "lrr=1": "unknown setting 'lrr'",
         "lr=fast": "expected a number",
         "batch_size=2.5": "expected an int",
@@ -250,6 +251,8 @@ def test_recipes_and_overrides():
             apply_overrides(TrainConfig(), [item])
     with pytest.raises(ValueError, match="nested config"):
         apply_overrides(get_recipe("toy"), ["beam=3"])
+    with pytest.raises(ValueError, match=re.escape("unknown setting 'save_every' for Recipe (did you mean train.save_every?)")):
+        apply_overrides(get_recipe("toy"), ["save_every=3"])
     with pytest.raises(ValueError, match="unknown recipe"):
         get_recipe("e2e-small")
 
@@ -258,6 +261,9 @@ def test_cli_rejects_bad_override(toy, tmp_path, capsys):
     args = _cli_args("torch", toy, tmp_path / "x")
     assert train_cli.main(args[: -len(SETTINGS)] + ["warmpu=3"]) == 1
     assert "unknown setting 'warmpu'" in capsys.readouterr().err
+    # the "train." prefix of the other train commands' --set is taken too (a key of TrainConfig after it)
+    assert train_cli.main(args[: -len(SETTINGS)] + ["train.warmpu=3"]) == 1
+    assert "unknown setting 'warmpu' for TrainConfig" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
@@ -356,6 +362,30 @@ def test_resume_between_log_records_keeps_the_average(toy, tmp_path):
     assert records(tmp_path / "run")[0]["avg_loss"] == first[0]["loss"]  # a window of step 4 alone
 
 
+def test_run_files_get_the_umasks_mode(toy, tmp_path):
+    """Files written atomically (temp file + rename) and checkpoint folders get the mode a plain
+    ``open``/``mkdir`` would under the umask, not ``mkstemp``'s 0600 / ``mkdtemp``'s 0700."""
+    import stat
+
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["eval_every=0", "save_every=2"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
+        old = os.umask(mask)
+        try:
+            model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+            out = tmp_path / f"run-{mask:o}"
+            train(be, model, read_encoded(toy["train"]), None, cfg, out, max_steps=2, progress=False)
+        finally:
+            os.umask(old)
+        ckpt = out / "ckpt-2"
+        assert stat.S_IMODE(ckpt.stat().st_mode) == dir_mode, oct(ckpt.stat().st_mode)
+        for f in (out / "train_config.json", out / LATEST_FILE, *ckpt.iterdir()):
+            assert stat.S_IMODE(f.stat().st_mode) == file_mode, (f, oct(f.stat().st_mode))
+
+
 def test_zero_on_one_process_says_it_shards_nothing(toy, tmp_path, capsys):
     from lora_core.data.nlg import read_encoded
 
@@ -365,6 +395,24 @@ def test_zero_on_one_process_says_it_shards_nothing(toy, tmp_path, capsys):
     model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
     train(be, model, read_encoded(toy["train"]), None, cfg, tmp_path / "run", max_steps=1, progress=False)
     assert "note: ZeRO stage 2 on one process shards nothing" in capsys.readouterr().err
+    # --resume where nothing was saved yet: a fresh start, said so
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    train(be, model, read_encoded(toy["train"]), None, cfg, tmp_path / "fresh", max_steps=1, progress=False, resume=True)
+    assert f"note: resume: {tmp_path / 'fresh'} holds no checkpoint yet; starting at step 0" in capsys.readouterr().err
+
+
+def test_pad_to_shorter_than_an_example_is_refused_before_training(toy, tmp_path):
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    data = read_encoded(toy["train"])
+    longest = max(len(r["context"]) + len(r["completion"]) - 1 for r in data)
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["eval_every=0", f"pad_to={longest - 1}"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    with pytest.raises(ValueError, match=f"pad_to={longest - 1}: the data holds an example of {longest} input tokens"):
+        train(be, model, data, None, cfg, tmp_path / "run", max_steps=1, progress=False)
+    assert not (tmp_path / "run" / "ckpt-1").exists()
 
 
 # --------------------------------------------------------------------------- plot

@@ -155,3 +155,47 @@ def test_trainer_refuses_empty_sets_before_its_folder(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path / 'c'}: a file, not a folder"):
         train(bk, model, pairs, None, recipe.train, tmp_path / "c", max_steps=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+# --------------------------------------------------------------------------- beam and evaluate commands
+
+
+def test_nlg_beam_refuses_a_zero_batch_and_an_empty_test_file(tmp_path, capsys):
+    """``examples.nlg.beam``: ``--batch-size 0`` and a test file of no examples, one line each
+    (they had ended in a ZeroDivisionError and in "wrote 0 beams")."""
+    from examples.nlg import beam as beam_cli
+    from lora_core.data.toy import make_toy_dataset
+
+    toy = make_toy_dataset(tmp_path / "toy", vocab_size=256)
+    empty = _write(tmp_path / "empty.jsonl", "")
+    argv = ["--backend", "torch", "--base", str(tmp_path / "base"), "--test", str(empty), "--vocab", str(toy["tokenizer"]),
+            "--recipe", "toy", "--out", str(tmp_path / "beam.jsonl")]  # fmt: skip
+    for extra, words in ((["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+                         ([], f"--test {empty}: the file holds no examples")):
+        capsys.readouterr()
+        assert beam_cli.main(argv + extra) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "beam.jsonl").exists()
+
+
+def test_cls_evaluate_refuses_missing_folders_in_one_line(tmp_path, capsys):
+    """``examples.cls.evaluate`` with a missing ``--prepared`` folder had printed ``{}`` and exited 0;
+    a missing base or adapter had ended in a traceback."""
+    from examples.cls import evaluate as cls_eval
+
+    prepared = tmp_path / "prepared"
+    _write(prepared / "dev.jsonl", _good("cls"))
+    base = ["--backend", "torch", "--out", str(tmp_path / "eval")]
+    for argv, words in (
+        (["--base", str(tmp_path), "--prepared", str(tmp_path / "none")],
+         f"--prepared {tmp_path / 'none'}: holds neither dev.jsonl nor test.jsonl"),
+        (["--base", str(tmp_path / "no-base"), "--prepared", str(prepared)], str(tmp_path / "no-base")),
+        (["--base", str(tmp_path / "no-base"), "--adapter", str(tmp_path / "no-adapter"), "--prepared", str(prepared)],
+         "no-"),
+    ):  # fmt: skip
+        capsys.readouterr()
+        assert cls_eval.main(base + argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "eval").exists()

@@ -205,7 +205,7 @@ def summarise(raw: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
+    ap = argparse.ArgumentParser(prog="python -m examples.cls.bench", description=doc_summary(__doc__))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data")
     ap.add_argument("--shape", choices=("distilbert", "tiny"), default="distilbert")

@@ -22,6 +22,7 @@ import lora_core as lc
 from lora_core.data import cls_data
 from lora_core.data.nlg import write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
+from lora_core.train.run_dir import checkpoint_of
 
 from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, quantize_kwargs
 from .prepare import read_prepared
@@ -42,6 +43,9 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     """``write_predictions`` of ``base`` + ``adapter``; ``quant``: ``distilbert_from_pretrained``'s
     4-bit arguments (``quantize="nf4"``, ...: the base a QLoRA adapter was trained on)."""
     bk = lc.get_backend(backend_name)
+    if not any((prepared / f"{split}.jsonl").is_file() for split in ("dev", "test")):
+        raise ValueError(f"--prepared {prepared}: holds neither dev.jsonl nor test.jsonl (an examples.cls.prepare folder)")
+    adapter = None if adapter is None else checkpoint_of(adapter)  # a run folder: its latest checkpoint
     warning = base_mismatch(adapter, quant or {})
     if warning:
         print(warning, file=sys.stderr)
@@ -70,20 +74,20 @@ def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
+    ap = argparse.ArgumentParser(prog="python -m examples.cls.evaluate", description=doc_summary(__doc__))
     ap.add_argument("--backend", choices=lc.BACKENDS, default="torch")
     ap.add_argument("--base", type=Path, required=True, help="HF DistilBERT folder (config.json + weights)")
-    ap.add_argument("--adapter", type=Path, help="adapter folder (ours or peft's)")
+    ap.add_argument("--adapter", type=Path, help="adapter folder (ours or peft's), or a run folder of examples.cls.train")
     ap.add_argument("--prepared", type=Path, required=True, help="output folder of examples.cls.prepare")
     ap.add_argument("--out", type=Path, required=True)
     add_quantize_options(ap)
     args = ap.parse_args(argv)
     try:
         check_quantize(args)
-    except ValueError as e:
+        metrics = evaluate(args.backend, args.base, args.adapter, args.prepared, args.out, quantize_kwargs(args))
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; a missing file an OSError
         print(f"error: {e}", file=sys.stderr)
         return 1
-    metrics = evaluate(args.backend, args.base, args.adapter, args.prepared, args.out, quantize_kwargs(args))
     print({k: v for k, v in metrics.items() if k.endswith(("accuracy", "_n"))})
     return 0
 

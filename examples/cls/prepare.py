@@ -66,7 +66,7 @@ def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
+    ap = argparse.ArgumentParser(prog="python -m examples.cls.prepare", description=doc_summary(__doc__))
     ap.add_argument("--data-dir", type=Path, required=True, help="folder with train.tsv, dev.tsv, test.tsv")
     ap.add_argument("--vocab", type=Path, required=True, help="BERT uncased vocab.txt")
     ap.add_argument("--out-dir", type=Path, required=True)

@@ -54,6 +54,10 @@ FINETUNE_DROPOUT = 0.1  # DistilBERT's dropout and attention_dropout, written to
 # (3 seeds), on the same random base 53%; after 1600 steps (70 s) only 55%.
 DEFAULTS = dict(dim=64, n_layers=2, n_heads=2, hidden_dim=256, steps=3200, batch_size=32, lr=1e-3,
                 warmup=320, weight_decay=0.01, dropout=0.0, max_len=128, log_every=50)  # fmt: skip
+HELP = dict(dim="model width", n_layers="transformer layers", n_heads="attention heads", hidden_dim="FFN width",
+            steps="AdamW updates", batch_size="sentences per update", lr="peak learning rate",
+            warmup="updates of linear warm-up", weight_decay="AdamW weight decay", dropout="dropout probability",
+            max_len="longest sentence in tokens (longer ones refused)", log_every="updates between log lines")  # fmt: skip
 
 
 def mask_tokens(
@@ -317,15 +321,24 @@ def pretrain_mlm(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
+    ap = argparse.ArgumentParser(prog="python -m examples.cls.pretrain", description=doc_summary(__doc__),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--prepared", type=Path, required=True, help="output folder of examples.cls.prepare (train.jsonl)")
-    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--out-dir", type=Path, required=True, help="where the base (config.json + model.safetensors) goes")
     for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+        if k == "warmup":  # a tenth of --steps unless given (320 of the default 3200)
+            ap.add_argument("--warmup", type=int, default=None, help=f"{HELP[k]} (None: --steps // 10)")
+        else:
+            ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v, help=HELP[k])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = max(0, args.steps // 10)
+    elif args.steps >= 1 and not 0 <= args.warmup < args.steps:
+        print(f"error: --warmup must be in [0, --steps={args.steps}), got {args.warmup}", file=sys.stderr)
+        return 2
     train = args.prepared / "train.jsonl"
     try:
         if not train.is_file():

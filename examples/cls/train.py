@@ -119,7 +119,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=doc_summary(__doc__))
+    p = argparse.ArgumentParser(prog="python -m examples.cls.train", description=doc_summary(__doc__))
     p.add_argument("--backend", choices=lora_core.BACKENDS, default=None, help="default: $LORA_BACKEND or torch")
     p.add_argument("--recipe", default="sst2-distilbert", choices=sorted(CLS_RECIPES))
     p.add_argument("--prepared", required=True, type=Path, help="output folder of examples.cls.prepare")

@@ -31,8 +31,9 @@ from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.distributed import batch_shard, gather_outputs, run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
+from lora_core.train.run_dir import checkpoint_of
 
-from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, quantize_kwargs
+from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, positive, quantize_kwargs
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
@@ -73,17 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     def body(job) -> str:
         check_quantize(a)
+        positive("--batch-size", a.batch_size)
         backend = lora_core.get_backend(a.backend)
         comm = job.start(backend, a.dist_timeout)
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
-        warning = base_mismatch(a.adapter, quantize_kwargs(a))
+        base, adapter = checkpoint_of(a.base), None if a.adapter is None else checkpoint_of(a.adapter)  # run folders
+        warning = base_mismatch(adapter, quantize_kwargs(a))
         if warning and comm.world.is_main:
             print(warning, file=sys.stderr)
-        model = backend.from_pretrained(a.base, adapter=a.adapter, trainable=False, **quantize_kwargs(a))
+        groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
+        if not groups:
+            raise ValueError(f"--test {a.test}: the file holds no examples")
+        model = backend.from_pretrained(base, adapter=adapter, trainable=False, **quantize_kwargs(a))
         backend.to_device(model, a.device)
         backend.set_precision(model, a.precision)
-        groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
         start, stop = batch_shard(len(groups), a.batch_size, comm.world)
         mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,
                                progress=comm.world.is_main, scoring=a.scoring, decode_step=a.decode_step)

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-base", action="store_true", help="write the --random-init base to OUT/base")
     parser.add_argument("--out-dir", required=True, type=Path)
     add_run_options(parser, set_help="override recipe settings, e.g. --set lr=1e-3 eval_every=500 (keys of "
-                    "TrainConfig)", quantize=True, exclusive_resume=False)
+                    "TrainConfig; train.lr=1e-3, as examples.lm.train and examples.cls.train take them, too)",
+                    quantize=True, exclusive_resume=False)
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -115,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         # bad input is refused before any work: the run folder, then the data (read whole, strictly)
         check_out_dir(args.out_dir, resume=args.resume or args.resume_from is not None)
         recipe = get_recipe(args.recipe)
-        cfg = apply_run_options(apply_overrides(recipe.train, args.overrides), args)
+        # keys of TrainConfig, with or without the "train." the other train commands' --set takes
+        overrides = [o.removeprefix("train.") for o in args.overrides]
+        cfg = apply_run_options(apply_overrides(recipe.train, overrides), args)
         if cfg.method == "full":
-            check_full_ft_input("--init-checkpoint", args.init_checkpoint, args.overrides)
+            check_full_ft_input("--init-checkpoint", args.init_checkpoint, overrides)
         train_data = read_encoded(check_data_file(args.train, "--train"))
         valid_data = read_encoded(check_data_file(args.valid, "--valid")) if args.valid else None
         args.recipe_model = recipe.model

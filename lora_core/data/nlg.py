@@ -106,7 +106,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         if not text.strip():
             raise DataFormatError(path, lineno, "empty line")
         try:
-            obj = json.loads(text)
+            obj = json.loads(text.rstrip("\r\n"))  # without the line break: a column on this line
         except json.JSONDecodeError as e:
             raise DataFormatError(path, lineno, f"broken JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(obj, dict):

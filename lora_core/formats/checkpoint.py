@@ -57,14 +57,25 @@ def check_tensors(path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> 
         raise CheckpointError("\n".join(parts))
 
 
+def umask_mode(folder: bool = False) -> int:
+    """The mode ``open``/``mkdir`` give a new file (folder) under the process's umask: what an
+    atomically written file or checkpoint folder gets, not ``mkstemp``'s 0600 (``mkdtemp``'s 0700),
+    so that a run's outputs are as readable to a group or other users as any file the user writes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if folder else 0o666) & ~mask
+
+
 def atomic_write(path: str | os.PathLike, write) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path`` (same folder, so the rename is atomic)."""
+    """Call ``write(tmp_path)`` then rename onto ``path`` (same folder, so the rename is atomic);
+    the file gets the umask's mode (:func:`umask_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, umask_mode())  # after ``write``, which may make the file anew (safetensors does)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -112,7 +112,7 @@ def read_beam_jsonl(path: str | os.PathLike, n_expected: int, vocab_size: int | 
     for lineno, text in iter_lines(path):
         n_lines += 1
         try:
-            obj = json.loads(text)
+            obj = json.loads(text.rstrip("\r\n"))  # without the line break: a column on this line
         except json.JSONDecodeError as e:
             cut = "truncated: the file ends inside this line; " if not text.endswith("\n") else ""
             raise DataFormatError(path, lineno, f"{cut}broken JSON: {e.msg} at column {e.colno}") from None

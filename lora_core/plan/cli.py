@@ -27,9 +27,19 @@ DEFAULT_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj"), "gpt2": ("
 DEFAULT_R = 8
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in ``--help``, except where there is none (a required option, a None whose help
+    says what it stands for)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-plan", description="Predict a fine-tuning run's per-rank peak memory.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Defaults)
     p.add_argument("--model", required=True, help="config.json (or its folder) or a preset name")
     p.add_argument("--method", default="lora", choices=METHODS)
     p.add_argument("--targets", default=None,

@@ -141,6 +141,8 @@ class TrainConfig:
         for name in ("warmup", "eval_every", "save_every", "lora_r", "seed"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 0, c, name, v, "an int >= 0")
+        # a LoRA run trains the adapters of this rank (full fine-tuning ignores it)
+        _check(self.method != "lora" or self.lora_r >= 1, c, "lora_r", self.lora_r, "an int >= 1 with method 'lora'")
         for name in ("max_steps", "pad_to", "eval_limit"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v > 0), c, name, v, "None or a positive int")
@@ -429,7 +431,11 @@ def _set(cfg, path: str, text: str, full_key: str):
     head, _, rest = path.partition(".")
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     if head not in fields:
-        raise ValueError(f"unknown setting {full_key!r} for {type(cfg).__name__}; known: {sorted(fields)}")
+        # a field of a nested config given without its prefix (``save_every`` for ``train.save_every``)
+        nested = [f"{n}.{path}" for n, f in fields.items() if dataclasses.is_dataclass(getattr(cfg, n))
+                  and path.partition(".")[0] in {g.name for g in dataclasses.fields(getattr(cfg, n))}]  # fmt: skip
+        hint = f" (did you mean {' or '.join(nested)}?)" if nested else ""
+        raise ValueError(f"unknown setting {full_key!r} for {type(cfg).__name__}{hint}; known: {sorted(fields)}")
     current = getattr(cfg, head)
     if rest:
         if not dataclasses.is_dataclass(current):

@@ -34,6 +34,7 @@ from ..formats.checkpoint import (
     check_tensors,
     read_json,
     read_tensors,
+    umask_mode,
     write_json_atomic,
     write_safetensors_atomic,
 )
@@ -216,6 +217,7 @@ def write_checkpoint(
     name = f"ckpt-{step}"
     final = out_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir))
+    os.chmod(tmp, umask_mode(folder=True))  # mkdtemp's 0700: the umask's mode, as mkdir gives
     adapter.write(tmp, tensors)
     write_safetensors_atomic(tmp / STATE_TENSORS, optimizer_state)
     write_json_atomic(tmp / STATE_JSON, {"format": FORMAT_VERSION, **meta, "time": time.time()})

@@ -173,7 +173,8 @@ class Trainer:
         if self.comm.world.parallel and cfg.dropout_masks == "numpy" and not self.task.sharded_dropout_masks:
             raise ValueError(
                 f"dropout_masks='numpy' (parity mode) runs on one process for the {self.task.name} task: "
-                "use dropout_masks='framework' with several processes"
+                "use dropout_masks='framework' with several processes (on the train commands: --set "
+                "dropout_masks=framework, or train.dropout_masks=framework where the recipe nests it)"
             )
         self.dp, self.optimizer = None, None
         self.files = self.task.adapter_files(backend, model, base_note)  # before ZeRO shards what it reads
@@ -204,6 +205,8 @@ class Trainer:
         found = open_run_dir(self.out_dir, self._run_config(pairs), resume, self.files, resume_from)
         if resume:
             truncate_log(self.out_dir, found[1][2]["step"] if found is not None else 0)
+            if found is None:  # as a preemptible job's first start does: said, not an error
+                print(f"note: resume: {self.out_dir} holds no checkpoint yet; starting at step 0", file=sys.stderr)
         return None if found is None else found[1]
 
     def _prepare(self, pairs, resume: bool, resume_from=None) -> None:
@@ -298,6 +301,11 @@ class Trainer:
             raise ValueError("the validation set is empty: give valid_examples=None to train without validation")
         valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
         self.task.check(pairs + valid, model)
+        if cfg.pad_to is not None:  # every row padded to pad_to input tokens: none may be longer
+            longest = max(self.task.sizes(e)[1] for e in pairs + valid)
+            if longest > cfg.pad_to:
+                raise ValueError(f"pad_to={cfg.pad_to}: the data holds an example of {longest} input tokens; raise "
+                                 f"pad_to to at least {longest} or leave it unset (rows padded to the batch's longest)")
         self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
