@@ -176,7 +176,9 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, E)
         if unpad is not None:  # back to the real tokens only
             y = y.reshape(B * T, E).index_select(0, token_index)
-        return self.resid_dropout(self.c_proj(y)), (k, v)
+        # the training path on real tokens keeps no cache and returns no views of k, v (FSDP2 warns of
+        # a wrapped block's view outputs: "can cause backward to fail or produce wrong gradients")
+        return self.resid_dropout(self.c_proj(y)), None if unpad is not None else (k, v)
 
 
 class MLP(nn.Module):
