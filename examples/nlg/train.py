@@ -57,7 +57,8 @@ def build(backend, args, lora, comm):
         model = backend.from_pretrained(args.init_checkpoint, **quant) if quant else \
             backend.from_pretrained(args.init_checkpoint, lora=lora)
         want = lora_core.PRESETS.get(args.recipe_model)
-        if want is not None and (model.config.n_embd, model.config.n_layer) != (want.n_embd, want.n_layer):
+        mismatched = want is not None and (model.config.n_embd, model.config.n_layer) != (want.n_embd, want.n_layer)
+        if mismatched and comm.world.is_main:  # once, not once a rank
             print(
                 f"note: the recipe is for {args.recipe_model}; {args.init_checkpoint} has n_embd="
                 f"{model.config.n_embd}, n_layer={model.config.n_layer}",
