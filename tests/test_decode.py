@@ -253,3 +253,9 @@ def test_prepare_and_decode_cli_on_toy(tmp_path, capsys):
         prepare_cli.main(["e2e", "--vocab", str(out), "--out-dir", str(tmp_path / "o"), "--no-progress", str(bad)]) == 1
     )
     assert f"error: {bad}, line 2: no '||'" in capsys.readouterr().err
+    # an input of no examples: refused, naming the file (it had written empty splits)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    argv = ["e2e", "--vocab", str(out), "--out-dir", str(tmp_path / "o"), "--no-progress", f"train={empty}"]
+    assert prepare_cli.main(argv) == 1
+    assert f"error: {empty}: no examples in the file (train split)" in capsys.readouterr().err

@@ -128,8 +128,9 @@ def _losses(run_dir):
 
 def test_train_both_backends_same_curve_and_exact_resume(prepared):
     root, out = prepared
-    _train("torch", root, out, "torch", "--save-base")
-    _train("jittor", root, out, "jittor")
+    saved = _train("torch", root, out, "torch", "--save-base")
+    unsaved = _train("jittor", root, out, "jittor")
+    assert "base was not written" not in saved.stdout and "--random-init base was not written" in unsaved.stdout
     lt, lj = _losses(root / "torch"), _losses(root / "jittor")
     assert len(lt) == 6 and len(lj) == 6
     assert np.abs(np.array(lj) - lt).max() <= 1e-5 * max(map(abs, lt))

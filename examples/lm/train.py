@@ -179,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(backend, model, train_blocks, valid_blocks, cfg, args.out_dir, resume=args.resume,
                         resume_from=args.resume_from, progress=not args.no_progress, base_note=note,
                         kill_after=args.stop_after, comm=comm, task=LMTask())
-        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+        if args.random_init and not (args.save_base or args.quantize):  # nothing for evaluate/generate to load
+            text += ("\nnote: the --random-init base was not written: rerun with --save-base (OUT/base) to evaluate "
+                     "or generate with this adapter")  # fmt: skip
+        return text
 
     return run_job(body)
 

@@ -51,6 +51,8 @@ def prepare(
     done = {}
     for split, path in inputs:
         records = convert(kind, path, allow_empty=allow_empty)
+        if not records:  # a split of no examples would train, decode or score nothing
+            raise ValueError(f"{path}: no examples in the file ({split} split)")
         formatted = out_dir / f"{split}_formatted.jsonl"
         encoded = out_dir / f"{split}.jsonl"
         in_place = formatted.resolve() == path.resolve()  # a formatted input in OUT: keep it
