@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from lora_core.device import DEVICE_CHOICES
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import TrainConfig
+from lora_core.train.run_dir import checkpoint_of
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -166,5 +168,18 @@ def _base_kind(fields: list[str]) -> str:
     return f"a 4-bit base ({' '.join(fields)})" if fields else "a full-precision base"
 
 
+def resolve_base_adapter(base: Path, adapter: Path | None, quant: dict, warn: bool = True) -> tuple[Path, Path | None]:
+    """The checkpoint folders the evaluate, generate and beam commands load: a run folder (or its
+    ``latest`` file) means its latest checkpoint (a full fine-tuning run's is a base); where the
+    adapter was trained on another base than ``quant`` loads, :func:`base_mismatch`'s warning goes
+    to stderr (``warn``: False on all but one process of a job)."""
+    base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
+    warning = base_mismatch(adapter, quant)
+    if warning and warn:
+        print(warning, file=sys.stderr)
+    return base, adapter
+
+
 __all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
-           "quantize_kwargs", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive"]
+           "quantize_kwargs", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive",
+           "resolve_base_adapter"]

@@ -22,9 +22,8 @@ import lora_core as lc
 from lora_core.data import cls_data
 from lora_core.data.nlg import write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
-from lora_core.train.run_dir import checkpoint_of
 
-from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, quantize_kwargs
+from ..run_options import add_quantize_options, check_quantize, doc_summary, quantize_kwargs, resolve_base_adapter
 from .prepare import read_prepared
 
 
@@ -45,10 +44,7 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     bk = lc.get_backend(backend_name)
     if not any((prepared / f"{split}.jsonl").is_file() for split in ("dev", "test")):
         raise ValueError(f"--prepared {prepared}: holds neither dev.jsonl nor test.jsonl (an examples.cls.prepare folder)")
-    adapter = None if adapter is None else checkpoint_of(adapter)  # a run folder: its latest checkpoint
-    warning = base_mismatch(adapter, quant or {})
-    if warning:
-        print(warning, file=sys.stderr)
+    base, adapter = resolve_base_adapter(base, adapter, quant or {})
     model = bk.distilbert_from_pretrained(base, adapter=adapter, **(quant or {}))
     metrics = {"backend": backend_name, "base": str(base), "adapter": str(adapter) if adapter else None}
     return write_predictions(bk, model, prepared, out, metrics)

@@ -21,17 +21,16 @@ from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import write_text_atomic
-from lora_core.train.run_dir import checkpoint_of
 from lora_core.train.tasks import LMTask
 
 from ..run_options import (
     add_quantize_options,
-    base_mismatch,
     check_quantize,
     doc_summary,
     output_file,
     positive,
     quantize_kwargs,
+    resolve_base_adapter,
 )
 from .train import check_fits, read_prepared
 
@@ -42,11 +41,7 @@ def evaluate(backend_name: str | None, base: Path, adapter: Path | None, prepare
     backends' ``from_pretrained`` arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     train_blocks, valid_blocks, meta = read_prepared(prepared)
-    # a run folder (or its latest file): its latest checkpoint; a full fine-tuning run's is the base
-    base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
-    warning = base_mismatch(adapter, quant or {})
-    if warning:
-        print(warning, file=sys.stderr)
+    base, adapter = resolve_base_adapter(base, adapter, quant or {})
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     blocks = valid_blocks if split == "valid" else train_blocks
     check_fits(model, meta, blocks, prepared)

@@ -18,10 +18,16 @@ from pathlib import Path
 import lora_core
 from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer, read_utf8
 from lora_core.generate.beam import BeamConfig
-from lora_core.train.run_dir import checkpoint_of
 from lora_core.train.tasks import max_positions
 
-from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, positive, quantize_kwargs
+from ..run_options import (
+    add_quantize_options,
+    check_quantize,
+    doc_summary,
+    positive,
+    quantize_kwargs,
+    resolve_base_adapter,
+)
 
 
 def generate(backend_name: str | None, base: Path, adapter: Path | None, tokenizer: Path, prompts: list[str],
@@ -30,11 +36,7 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     arguments of a 4-bit base (``quantize="nf4"``, ...)."""
     backend = lora_core.get_backend(backend_name)
     tok = load_text_tokenizer(tokenizer)
-    # a run folder (or its latest file): its latest checkpoint; a full fine-tuning run's is the base
-    base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
-    warning = base_mismatch(adapter, quant or {})
-    if warning:
-        print(warning, file=sys.stderr)
+    base, adapter = resolve_base_adapter(base, adapter, quant or {})
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
     backend.to_device(model, device)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import lora_core
@@ -31,9 +30,15 @@ from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.distributed import batch_shard, gather_outputs, run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
-from lora_core.train.run_dir import checkpoint_of
 
-from ..run_options import add_quantize_options, base_mismatch, check_quantize, doc_summary, positive, quantize_kwargs
+from ..run_options import (
+    add_quantize_options,
+    check_quantize,
+    doc_summary,
+    positive,
+    quantize_kwargs,
+    resolve_base_adapter,
+)
 
 
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
@@ -79,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         comm = job.start(backend, a.dist_timeout)
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
-        base, adapter = checkpoint_of(a.base), None if a.adapter is None else checkpoint_of(a.adapter)  # run folders
-        warning = base_mismatch(adapter, quantize_kwargs(a))
-        if warning and comm.world.is_main:
-            print(warning, file=sys.stderr)
+        base, adapter = resolve_base_adapter(a.base, a.adapter, quantize_kwargs(a), warn=comm.world.is_main)
         groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
         if not groups:
             raise ValueError(f"--test {a.test}: the file holds no examples")
