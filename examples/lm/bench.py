@@ -76,6 +76,7 @@ from pathlib import Path
 
 from lora_core.train import allocator
 from lora_core.train.allocator import worker_env
+from lora_core.train.heap import HEAD_PIECE_RULE
 from lora_core.train.heap import mode as heap_mode
 
 from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
@@ -473,7 +474,7 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         row = {label: (med[a][k] / med[b][k] if med[a][k] is not None and med[b][k] else None) for label, k in RATIOS}
         ratios[f"{a} / {b}"] = row
         lines.append(f"{a + ' / ' + b:26s}" + "".join(f" {_fmt(x, '.3f'):>12s}" for x in row.values()))
-    methods = rows(all_med, flops, peak["peak_gflops"], {**vars(args), "malloc_trim": heap_mode(), "head_pieces": "reach"})
+    methods = rows(all_med, flops, peak["peak_gflops"], {**vars(args), "malloc_trim": heap_mode(), "head_pieces": HEAD_PIECE_RULE})
     if len(args.methods) > 1 or args.methods != ["lora"]:
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         settings["code"] = version
         settings["malloc_trim"] = heap_mode()  # ours-torch's heap trim (lora_core.train.heap): the planner's too
         settings["allocator"] = allocator.mode()  # LORA_ALLOCATOR; each row's worker records what it ran (raw "allocator")
-        settings["head_pieces"] = "reach"  # the frozen head's piece rule (lora_core.train.heap.head_piece_rows)
+        settings["head_pieces"] = HEAD_PIECE_RULE  # the frozen head's piece rule (lora_core.train.heap.head_piece_rows)
         out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip
         args.json.write_text(json.dumps(out, indent=1))

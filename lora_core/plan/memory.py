@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from ..train.allocator import MODES as ALLOCATOR_MODES
 from ..train.allocator import wanted as under_tcmalloc
-from ..train.heap import HEAD_FUSED_MIN_BYTES, HEAD_PIECE_RULES, TRIM_MODES, head_piece_rows, run_trims
+from ..train.heap import HEAD_FUSED_MIN_BYTES, HEAD_PIECE_RULE, HEAD_PIECE_RULES, TRIM_MODES, head_piece_rows, run_trims
 from ..train.recompute import mlp_chunk_rows
 
 MB = 2**20
@@ -298,7 +298,7 @@ class PlanConfig:
     allocator: str = "auto"
     # the rule of the frozen head's pieces of rows on the CPU (``heap.head_piece_rows``): "reach"
     # (today's: the fewest rows over glibc's mmap ceiling), "within" (a run before 7b0a1cb)
-    head_pieces: str = "reach"
+    head_pieces: str = HEAD_PIECE_RULE
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -643,13 +643,12 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"  {'optimizer state':22s} {p.optimizer:10.1f} MB",
              f"  {'activations':22s} {p.activations:10.1f} MB",
              f"  {'retained (freed, kept)' if c.method != 'full' else 'retained + activations':22s} {p.retained:10.1f} MB",
+             *(["    (full fine-tuning: the activations freed in the backward pass stay allocated beside the "
+                "gradients until the optimizer step, the peak)"] if c.method == "full" else []),
              f"  {'framework overhead':22s} {p.overhead:10.1f} MB",
              f"memory-mapped frozen weights {p.mapped:.1f} MB (checkpoint file pages: in RSS, not in the peak)",
              f"activations of one layer: {p.per_layer_nogc:.1f} MB without GC, {p.per_layer_gc:.1f} MB with GC "
              f"(its input); LM head and loss {p.head:.1f} MB"]  # fmt: skip
-    if c.method == "full":  # the retained line holds the backward's activations, alive with the gradients
-        lines.insert(7, "    (full fine-tuning: the activations freed in the backward pass stay allocated beside the "
-                        "gradients until the optimizer step, the peak)")  # fmt: skip
     lines += [f"    {k:36s} {v:8.1f} MB" for k, v in p.per_layer.items() if v]
     lines.append(
         f"FLOPs per token {_count(p.flops_per_token, 'FLOP')} ({p.flops_per_token / p.params:.2f} x N): {p.flops_note}"
@@ -718,7 +717,7 @@ def bench_plan(
     heap_trim: str = "auto",
     precision: str = "fp32",
     allocator: str = "auto",
-    head_pieces: str = "reach",
+    head_pieces: str = HEAD_PIECE_RULE,
 ) -> Plan:
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,

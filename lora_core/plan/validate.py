@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models import gpt2
-from ..train.heap import run_trims
+from ..train.heap import HEAD_PIECE_RULE, run_trims
 from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap"),
@@ -148,7 +148,7 @@ SUPERSEDED.update({
 # ours-torch's frozen-head rows (LoRA and QLoRA at Llama 3's 128256-token vocabulary) before 7b0a1cb:
 # the loss's pieces of 65 rows (33.3 MB) came from glibc's heap, just under its mmap ceiling, where the
 # freed ones stayed; since, 66 rows, mapped and returned (glibc: LoRA+GC at 1B L2 380 -> 323 MB, at
-# 1B 433 -> 367); measured again at 5d35d43 under both mallocs (tcmalloc's peaks the same within 2 MB)
+# 1B 433 -> 367); measured again at 5d35d43 under both mallocs (tcmalloc's: -1 to +4 MB, QLoRA at 1B +35, one run each)
 _PIECES_7B0A1CB = "measured before 7b0a1cb (the frozen-head loss in 65-row pieces, below glibc's mmap ceiling)"
 SUPERSEDED.update({
     (f"lm_methods_{name}-torch-{alloc}_{code}.json", "ours-torch" + (f" {m}" if m != "lora" else "")): _PIECES_7B0A1CB
@@ -263,7 +263,7 @@ def predict(row: dict, sysm: System | None = None) -> float:
     return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
                       s.get("vocab"), sysm, s.get("ranks") or 2,
                       s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto"),
-                      allocator=row.get("allocator", "glibc"), head_pieces=row.get("head_pieces", "reach")).peak  # fmt: skip
+                      allocator=row.get("allocator", "glibc"), head_pieces=row.get("head_pieces", HEAD_PIECE_RULE)).peak  # fmt: skip
 
 
 def check(rows: list[dict]) -> list[dict]:

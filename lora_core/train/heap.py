@@ -60,6 +60,7 @@ HEAD_FUSED_MIN_BYTES = 32 << 20
 # LoRA+GC: peak anonymous 382 -> 326 MB; tcmalloc, the commands' default, keeps either the same)
 HEAD_PIECE_BYTES = 32 << 20
 HEAD_PIECE_RULES = ("reach", "within")  # the fewest rows reaching it (today's), the most within it (before)
+HEAD_PIECE_RULE = "reach"  # the rule this code runs (a bench JSON records it; the planner plans with it)
 # The devices where activations are taken in such pieces (the frozen head's logits here, a frozen
 # MLP's recomputation in ``lora_core.train.recompute``): the CPU, whose allocators keep what a
 # whole-batch tensor grew the heap by. On a GPU the caching allocator reuses its blocks, and a
@@ -82,7 +83,7 @@ def panel_rows(limit_bytes: int, row_bytes: int) -> int:
 
 
 def head_piece_rows(
-    tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None, rule: str = "reach"
+    tokens: int, vocab: int, device: str = "cpu", piece_bytes: int | None = None, rule: str = HEAD_PIECE_RULE
 ) -> int:
     """Loss positions per piece of the frozen-head loss, at most ``tokens``: the fewest rows whose
     float32 logits reach ``HEAD_PIECE_BYTES`` (66 at a 128256-token vocabulary, 1049 at 8000;
