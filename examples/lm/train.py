@@ -119,11 +119,11 @@ def model_kind(args) -> str:
         return "unknown"
 
 
-def check_fits(model, meta: dict, blocks: list[dict], prepared: Path) -> None:
+def check_fits(model, meta: dict, blocks: list[dict], prepared: Path, fix: str = "") -> None:
     """The data was made for this model: its tokenizer's ids fit the vocabulary and its
-    blocks fit the positions."""
+    blocks fit the positions (``fix``: what the vocabulary error adds, the option that fixes it)."""
     check_tokenizer_fits(int(meta["vocab_size"]), model.config.vocab_size,
-                         f"{prepared / 'meta.json'}: the tokenizer {meta.get('tokenizer')}")
+                         f"{prepared / 'meta.json'}: the tokenizer {meta.get('tokenizer')}", fix)
     longest = max(len(b["ids"]) for b in blocks) - 1  # the model reads block[:-1]
     if longest > max_positions(model):
         raise ValueError(f"{prepared}: blocks of {longest + 1} tokens exceed the model's {max_positions(model)} "
@@ -166,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, comm)
-        try:
-            check_fits(model, meta, train_blocks + valid_blocks, args.prepared)
-        except ValueError as e:
-            if args.random_init and not args.vocab_size and "tokenizer" in str(e):
-                raise ValueError(f"{e} (a --random-init model: give --vocab-size {meta['vocab_size']})") from None
-            raise
+        fix = f" (a --random-init model: give --vocab-size {meta['vocab_size']})" if args.random_init and not args.vocab_size else ""
+        check_fits(model, meta, train_blocks + valid_blocks, args.prepared, fix)
         if cfg.method == "lora":
             backend.inject_lora(model, recipe.lora)
         backend.to_device(model, args.device)

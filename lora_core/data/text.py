@@ -96,9 +96,10 @@ def pack_blocks(docs_ids: Sequence[Sequence[int]], block_size: int, eos_id: int 
     return blocks
 
 
-def check_tokenizer_fits(vocab_size: int, model_vocab: int, what: str = "the tokenizer") -> None:
+def check_tokenizer_fits(vocab_size: int, model_vocab: int, what: str = "the tokenizer", fix: str = "") -> None:
     """Refuse a tokenizer whose ids do not fit the model's embedding (a different model's
-    tokenizer); a model may have more rows than the tokenizer (padded vocabularies)."""
+    tokenizer); a model may have more rows than the tokenizer (padded vocabularies). ``fix`` is
+    appended to the message (the option that fixes it, where the caller knows one)."""
     if vocab_size > model_vocab:
         raise ValueError(f"{what} has {vocab_size} tokens but the model's vocabulary has {model_vocab}: "
-                         f"not this model's tokenizer")
+                         f"not this model's tokenizer{fix}")
