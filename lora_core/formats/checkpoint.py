@@ -60,10 +60,23 @@ def check_tensors(path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> 
 def umask_mode(folder: bool = False) -> int:
     """The mode ``open``/``mkdir`` give a new file (folder) under the process's umask: what an
     atomically written file or checkpoint folder gets, not ``mkstemp``'s 0600 (``mkdtemp``'s 0700),
-    so that a run's outputs are as readable to a group or other users as any file the user writes."""
-    mask = os.umask(0)
+    so that a run's outputs are as readable to a group or other users as any file the user writes.
+    The umask is read from ``/proc/self/status`` where Linux shows it: setting it to read it back
+    would, for a moment, let another thread create a file with no mask at all."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)  # elsewhere: the one way to read it (the strictest mask meanwhile)
     os.umask(mask)
-    return (0o777 if folder else 0o666) & ~mask
+    return mask
 
 
 def atomic_write(path: str | os.PathLike, write) -> None:
