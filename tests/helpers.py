@@ -90,3 +90,23 @@ def cls_train_argv(data, backend: str, out, *extra: str) -> list[str]:
     return ["--backend", backend, "--recipe", "sst2-demo", "--prepared", str(data / "sst2"), "--base",
             str(data / "base"), "--out-dir", str(out), "--no-progress", "--max-steps", "4", *extra,
             "--set", "train.batch_size=8", "train.lr=1e-2", "train.log_every=1", "train.save_every=4"]  # fmt: skip
+
+
+def write_torch_bin(state_dict: dict, folder, shards: int = 0) -> None:
+    """The ``torch.save`` layouts older transformers wrote (transformers 5 saves only
+    safetensors): ``pytorch_model.bin``, or ``shards`` files with ``pytorch_model.bin.index.json``."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    folder = Path(folder)
+    if not shards:
+        torch.save(state_dict, folder / "pytorch_model.bin")
+        return
+    names, weight_map = list(state_dict), {}
+    for i in range(shards):
+        fname = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({k: state_dict[k] for k in names[i::shards]}, folder / fname)
+        weight_map.update({k: fname for k in names[i::shards]})
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

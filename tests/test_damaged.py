@@ -307,3 +307,110 @@ def test_damaged_bin_quantized_while_loading_gives_the_same_error(backend, legac
     says = {"cut": "truncated legacy PyTorch file" if legacy else "truncated zip archive",
             "garbage": "not a PyTorch checkpoint", "flipped": "damaged PyTorch zip archive (BadZipFile: Bad CRC-32"}
     assert msg.startswith(str(path)) and says[damage] in msg, msg
+
+
+# --------------------------------------------------------------------------- intact files we do not read
+
+
+def test_safetensors_dtypes_beside_bfloat16_and_unsupported_ones(tmp_path):
+    """Unsigned ints beside a bfloat16 tensor are read in every mode; a float8 tensor is refused
+    naming the tensor and its dtype (not an AttributeError from the reader)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "mixed.safetensors"
+    save_file({"w": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "u": torch.tensor([7, 70000], dtype=torch.uint32),
+               "h": torch.tensor([3], dtype=torch.uint16)}, str(path))  # fmt: skip
+    for kw in ({}, {"mmap": True}, {"lazy": True}):
+        t = read_tensors(path, **kw)
+        assert np.asarray(t["w"]).tolist() == [1.5, -2.0] and t["u"].tolist() == [7, 70000] and t["h"].tolist() == [3]
+    save_file({"ok": torch.ones(2), "f8": torch.ones(2).to(torch.float8_e4m3fn)}, str(tmp_path / "f8.safetensors"))
+    for kw in ({}, {"mmap": True}):
+        with pytest.raises(CheckpointError, match=r"f8\.safetensors: tensor f8 has dtype F8_E4M3"):
+            read_tensors(tmp_path / "f8.safetensors", **kw)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_torch_file_of_an_unread_dtype_is_named_not_called_damaged(legacy, tmp_path):
+    import torch
+
+    path = tmp_path / "w.bin"
+    for dtype, named in ((torch.uint16, "_rebuild_tensor_v3"), (torch.complex64, "ComplexFloatStorage")):
+        torch.save({"a": torch.ones(2, dtype=dtype)}, path, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(CheckpointError, match=named) as e:
+            read_tensors(path)
+        assert "damaged" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_big_endian_torch_archive_is_refused(tmp_path):
+    """A zip archive whose byteorder record says big: refused (its storages would read as other
+    numbers), for the streamed reader too."""
+    import zipfile
+
+    import torch
+
+    torch.save({"w": torch.tensor([1.0, 2.0])}, tmp_path / "le.bin")
+    with zipfile.ZipFile(tmp_path / "le.bin") as zin, zipfile.ZipFile(tmp_path / "be.bin", "w") as zout:
+        for n in zin.namelist():
+            data = zin.read(n)
+            if n.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in n:
+                data = np.frombuffer(data, "<f4").astype(">f4").tobytes()
+            zout.writestr(n, data)
+    assert torch.load(tmp_path / "be.bin")["w"].tolist() == [1.0, 2.0]  # what the file means
+    for lazy in (False, True):
+        with pytest.raises(CheckpointError, match="byteorder record says 'big'"):
+            read_tensors(tmp_path / "be.bin", lazy=lazy)
+
+
+def test_index_with_a_shard_that_is_not_a_file_name(tmp_path):
+    from safetensors.numpy import save_file
+
+    from lora_core.formats.hf_checkpoint import read_hf_weights
+
+    save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors", "b": None}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: weight_map gives 'b' the shard None"):
+        read_hf_weights(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [("nested_blocksize", None), ("nested_blocksize", 0),
+                                          ("nested_blocksize", "256"), ("nested_offset", "x")])  # fmt: skip
+def test_damaged_nested_quant_state_is_named(field, value):
+    from lora_core.formats.bnb4bit import split_bnb4bit
+    from lora_core.quant.nf4 import NF4_CODE, dynamic_map
+
+    qs = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [64, 128], "nested_blocksize": 256,
+          "nested_dtype": "float32", "nested_offset": 0.05, field: value}  # fmt: skip
+    qs = {k: v for k, v in qs.items() if v is not None}
+    k = "m.weight"
+    parts = {k: np.zeros((4096, 1), np.uint8), k + ".absmax": np.zeros(128, np.uint8), k + ".quant_map": NF4_CODE.copy(),
+             k + ".nested_absmax": np.ones(1, np.float32), k + ".nested_quant_map": dynamic_map(),
+             k + ".quant_state.bitsandbytes__nf4": np.frombuffer(json.dumps(qs).encode(), np.uint8).copy()}  # fmt: skip
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: {k}\.quant_state\.bitsandbytes__nf4: damaged .*{field}"):
+        split_bnb4bit(parts, "model.safetensors")
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_more_tensors_than_the_open_file_limit(hard, tmp_path):
+    """Each tensor's memory map holds a file descriptor: a file with more tensors than the soft
+    limit raises it (up to the hard limit); where the hard limit is too low, one map of the
+    whole file serves every tensor. Same values either way."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import save_file
+
+    save_file({f"t{i}": np.full((3,), i, np.float32) for i in range(600)}, str(tmp_path / "many.safetensors"))
+    code = f"""
+import resource, numpy as np
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, {256 if hard else 4096}))
+from lora_core.formats.tensor_files import read_tensors
+t = read_tensors({str(tmp_path / "many.safetensors")!r}, mmap=True)
+assert all(t[f"t{{i}}"].tolist() == [i] * 3 for i in range(600))
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(out) == 256 if hard else int(out) > 600

@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import assert_close, to_numpy, write_torch_bin
 
 import lora_core as lc
 from lora_core.models.distilbert import MLM_HEAD_KEYS, load_distilbert_checkpoint
@@ -93,6 +93,21 @@ def test_logits_match_transformers(backend, hf_dirs):
         floor=1.0,
     )
     assert np.abs(to_numpy(no_mask) - to_numpy(_hf(hf))).max() > 1e-3  # the mask matters
+
+
+def test_sharded_checkpoint_loads(hf_dirs, tmp_path):
+    """A checkpoint saved in shards with an index (safetensors and .bin) loads as the single file does."""
+    hf, _, root = hf_dirs
+    bk = lc.get_backend("torch")
+    ref = to_numpy(_ours(bk, bk.distilbert_from_pretrained(root / "base").eval()))
+    hf.save_pretrained(tmp_path / "safetensors", max_shard_size="50KB")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((root / "base" / "config.json").read_text())
+    write_torch_bin(hf.state_dict(), tmp_path / "bin", 3)
+    for layout in ("safetensors", "bin"):
+        assert len(list((tmp_path / layout).glob("*-of-*"))) >= 2
+        ours = bk.distilbert_from_pretrained(tmp_path / layout).eval()
+        np.testing.assert_array_equal(to_numpy(_ours(bk, ours)), ref)
 
 
 def test_peft_adapter_loads(backend, hf_dirs):

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import assert_close, to_numpy, write_torch_bin
 
 import lora_core as lc
 from lora_core.data.batching import collate
@@ -75,17 +75,7 @@ def _to_bin(hf, d, sharded):
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         sd.pop("lm_head.weight")
-    if not sharded:
-        torch.save(sd, d / "pytorch_model.bin")
-        return
-    names = list(sd)
-    parts = [names[i::3] for i in range(3)]
-    weight_map = {}
-    for i, part in enumerate(parts):
-        fname = f"pytorch_model-{i + 1:05d}-of-00003.bin"
-        torch.save({k: sd[k] for k in part}, d / fname)
-        weight_map.update({k: fname for k in part})
-    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_torch_bin(sd, d, 3 if sharded else 0)
 
 
 def _ids(seed=0, B=3, T=19):

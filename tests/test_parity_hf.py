@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, peft_c_attn, to_numpy
+from helpers import assert_close, peft_c_attn, to_numpy, write_torch_bin
 
 import lora_core as lc
 
@@ -41,6 +41,11 @@ def hf_model(tmp_path_factory):
     torch.save({k.removeprefix("transformer."): v for k, v in model.state_dict().items()}, bin_path,
                _use_new_zipfile_serialization=False)
     (bin_path.parent / "config.json").write_text((folder / "config.json").read_text())
+    # the sharded layouts (an index and its shards), safetensors and .bin, as save_pretrained writes them
+    model.save_pretrained(folder / "sharded_safetensors", max_shard_size="200KB")
+    (folder / "sharded_bin").mkdir()
+    (folder / "sharded_bin" / "config.json").write_text((folder / "config.json").read_text())
+    write_torch_bin({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, folder / "sharded_bin", 3)
     return cfg, model, folder, bin_path
 
 
@@ -59,10 +64,14 @@ def _bound(ref):
     return max(1.0, float(np.abs(to_numpy(ref)).max()))
 
 
-@pytest.mark.parametrize("source", ["safetensors", "legacy_bin"])
+@pytest.mark.parametrize("source", ["safetensors", "legacy_bin", "sharded_safetensors", "sharded_bin"])
 def test_full_sequence_logits_match_transformers(backend, hf_model, source):
     cfg, hf, folder, bin_path = hf_model
-    ours = _ours(backend, folder if source == "safetensors" else bin_path)
+    path = {"safetensors": folder, "legacy_bin": bin_path}.get(source, folder / source)
+    if source.startswith("sharded"):
+        index = "model.safetensors.index.json" if source.endswith("safetensors") else "pytorch_model.bin.index.json"
+        assert (path / index).is_file() and len(list(path.glob("*-of-*"))) > 2
+    ours = _ours(backend, path)
     ids = _ids(cfg, 3, 17)
     with torch.no_grad():
         ref = hf(torch.from_numpy(ids)).logits
@@ -156,3 +165,24 @@ def test_lora_whole_c_attn_matches_peft(hf_model):
         layer = pm.base_model.model.transformer.h[i].attn.c_attn
         for ab, ref_p in (("A", layer.lora_A["default"].weight), ("B", layer.lora_B["default"].weight)):
             assert_close(f"torch vs peft grad lora_{ab}", params[f"h.{i}.attn.c_attn.lora_{ab}"].grad, ref_p.grad, 1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("activation_function", "relu"), ("scale_attn_weights", False),
+                                          ("scale_attn_by_inverse_layer_idx", True), ("n_inner", 96),
+                                          ("tie_word_embeddings", False)])  # fmt: skip
+def test_gpt2_config_we_do_not_compute_is_refused(field, value, tmp_path):
+    """A GPT-2 config.json asking for what transformers computes and ours does not (other logits
+    without a word before) is refused naming the field; the tanh GELU under its other name loads
+    with transformers' logits."""
+    kw = dict(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw, **{field: value})).save_pretrained(tmp_path / "x")
+    with pytest.raises(ValueError, match=rf"config\.json: {field}"):
+        lc.get_backend("torch").from_pretrained(tmp_path / "x")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw, activation_function="gelu_pytorch_tanh")).eval()
+    hf.save_pretrained(tmp_path / "tanh")
+    ids = _ids(lc.gpt2_config("tiny", vocab_size=50), 2, 9)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits
+    ours = lc.get_backend("torch").from_pretrained(tmp_path / "tanh").eval()
+    assert_close("gelu_pytorch_tanh logits", ours(torch.from_numpy(ids))[0], ref, LOGIT_TOL, _bound(ref))

@@ -91,6 +91,12 @@ def _one_state(name: str, parts: dict, where) -> NF4State:
     missing = [f"{name}.{s}" for s in need if s not in parts]
     if missing or (nested and "nested_offset" not in d):
         raise _bad(where, name, f"missing {missing or ['nested_offset in ' + qkey]}")
+    if nested:
+        nbs, off = d.get("nested_blocksize"), d["nested_offset"]
+        if type(nbs) is not int or nbs < 1:
+            raise _bad(where, qkey, f"nested_blocksize {nbs!r}, expected a positive int")
+        if type(off) not in (int, float) or not math.isfinite(off):
+            raise _bad(where, qkey, f"nested_offset {off!r}, expected a finite number")
     packed, absmax = np.asarray(parts["weight"]), np.asarray(parts["absmax"])
     nb = -(-n // bs)
     checks = [

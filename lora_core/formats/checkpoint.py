@@ -32,6 +32,7 @@ from ..models.gpt2 import (
     lora_shapes,
     trainable_names,
 )
+from .hf_checkpoint import find_weights, read_hf_weights
 from .tensor_files import CheckpointError, read_json, read_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter.safetensors"
@@ -112,15 +113,6 @@ def write_safetensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dic
     atomic_write(path, lambda tmp: save_file(arrays, tmp, metadata=metadata))
 
 
-def _find_weights(path: Path) -> Path:
-    if path.is_file():
-        return path
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return path / name
-    raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin in this folder")
-
-
 def infer_gpt2_config(tensors: dict[str, np.ndarray], path="checkpoint") -> GPT2Config:
     """GPT-2 sizes read off the canonical tensors (heads from the standard widths)."""
     if "wte.weight" not in tensors or "wpe.weight" not in tensors:
@@ -139,8 +131,9 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None,
     """Load HF/OpenAI GPT-2 weights into canonical names and (out, in) layout.
 
     Args:
-        path: a weights file or a folder holding ``model.safetensors`` or
-            ``pytorch_model.bin`` (and optionally HF ``config.json``).
+        path: a weights file or a folder holding ``model.safetensors``, ``pytorch_model.bin``
+            or either's shards with their index (``hf_checkpoint.find_weights``), and
+            optionally HF ``config.json``.
         cfg: the expected architecture; default: ``config.json`` beside the weights,
             else inferred from the tensor shapes.
         lazy: leave each tensor as the file gives it (a memory map of a ``.safetensors`` file,
@@ -153,8 +146,8 @@ def load_gpt2_checkpoint(path: str | os.PathLike, cfg: GPT2Config | None = None,
         ``(cfg, tensors)`` with float32 arrays (``lazy``: arrays of the file's dtype).
     """
     path = Path(path)
-    wpath = _find_weights(path)
-    raw = read_tensors(wpath, mmap=True, lazy=lazy)  # frozen base: ranks share its pages
+    wpath = find_weights(path)  # a weights file, or an index of shards
+    raw = read_hf_weights(wpath, lazy=lazy)  # memory maps: frozen base, ranks share its pages
     tensors = {}
     lm_head = None
     for k, v in raw.items():

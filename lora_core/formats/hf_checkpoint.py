@@ -52,6 +52,9 @@ def read_hf_weights(path: str | os.PathLike, lazy: bool = False) -> dict[str, np
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{wpath}: no 'weight_map' object (tensor name -> shard file) in this index")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise CheckpointError(f"{wpath}: weight_map gives {bad[0]!r} the shard {bad[1]!r}, not a file name")
     out: dict[str, np.ndarray] = {}
     for shard in sorted(set(weight_map.values())):
         spath = wpath.parent / shard

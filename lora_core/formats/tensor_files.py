@@ -109,7 +109,8 @@ def read_tensors(path: str | os.PathLike, mmap: bool = False, lazy: bool = False
 
 
 _MMAP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-                "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+                "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+                "BOOL": np.bool_}  # fmt: skip
 
 
 def read_safetensors(path: str | os.PathLike, mmap: bool = False, lazy: bool = False) -> dict[str, np.ndarray]:
@@ -125,15 +126,17 @@ def read_safetensors(path: str | os.PathLike, mmap: bool = False, lazy: bool = F
     from safetensors.numpy import load_file
 
     try:
-        if mmap:
-            with safe_open(str(path), framework="numpy") as f:  # validates the header and offsets
-                f.keys()
-            maps = _memory_maps(path, lazy)
-            if maps is not None:
-                return maps
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(str(path), framework="numpy") as f:  # validates the header and offsets
             f.keys()
-        if _has_bf16(path):
+        dtypes = {k: v["dtype"] for k, v in _header(path)[1].items()}
+        other = {k: d for k, d in dtypes.items() if d not in _MMAP_DTYPES and d != "BF16"}
+        if other:
+            name = sorted(other)[0]
+            raise CheckpointError(f"{path}: tensor {name} has dtype {other[name]}, which is not read here "
+                                  f"({len(other)} such tensors); the dtypes read: BF16, {', '.join(_MMAP_DTYPES)}")  # fmt: skip
+        if mmap or lazy:
+            return _memory_maps(path, lazy)
+        if "BF16" in dtypes.values():  # numpy has no bfloat16: widened
             return {k: np.array(v) for k, v in _memory_maps(path).items()}
         return load_file(str(path))
     except SafetensorError as e:
@@ -149,14 +152,16 @@ def _header(path) -> tuple[int, dict]:
     return n, header
 
 
-def _has_bf16(path) -> bool:
-    return any(v["dtype"] == "BF16" for v in _header(path)[1].values())
-
-
-def _memory_maps(path, lazy: bool = False) -> dict[str, np.ndarray] | None:
+def _memory_maps(path, lazy: bool = False) -> dict[str, np.ndarray]:
+    """One copy-on-write map per tensor (a tensor's pages leave the process when it is dropped,
+    as the 4-bit loader drops each weight once quantized), or, where the open-file limit cannot
+    take one more file descriptor per tensor (each map holds one), one map of the whole data
+    section that every tensor views (``_room_for_maps``)."""
     n, header = _header(path)
-    if any(v["dtype"] not in _MMAP_DTYPES and v["dtype"] != "BF16" for v in header.values()):
-        return None
+    whole = None
+    if not _room_for_maps(sum(v["data_offsets"][1] > v["data_offsets"][0] for v in header.values())):
+        size = max((v["data_offsets"][1] for v in header.values()), default=0)
+        whole = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n, shape=(size,)) if size else None
     out = {}
     for name, v in header.items():
         start, end = v["data_offsets"]
@@ -165,12 +170,44 @@ def _memory_maps(path, lazy: bool = False) -> dict[str, np.ndarray] | None:
         if end == start:
             out[name] = np.zeros(shape, np.float32 if bf16 else dtype)
             continue
-        m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
+        if whole is not None:
+            m = whole[start:end].view(dtype)
+        else:
+            m = np.memmap(path, dtype=dtype, mode="c", offset=8 + n + start, shape=(int(np.prod(shape)),))
         arr = m.view(np.ndarray).reshape(shape)  # a plain array over the map (kept alive)
         if bf16:
             arr = LazyTensor(shape, np.float32, functools.partial(bf16_to_f32, arr)) if lazy else bf16_to_f32(arr)
         out[name] = arr
     return out
+
+
+# file descriptors kept free for everything else (sockets, logs, the next shard's own reads)
+_FD_SPARE = 256
+
+
+def _room_for_maps(count: int) -> bool:
+    """Whether ``count`` more memory maps (one file descriptor each: Python's ``mmap`` keeps a
+    duplicate) fit under the open-file limit, raising the soft limit up to the hard one where
+    they would not (a bitsandbytes 4-bit Llama-2-7B holds 6 tensors a weight, ~1400 in all,
+    over the usual soft limit of 1024)."""
+    try:
+        import resource
+
+        open_now = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError):  # no /proc (not Linux): assume room, as before
+        return True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = open_now + count + _FD_SPARE
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return True
+    if hard != resource.RLIM_INFINITY and need > hard:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(need, min(2 * need, hard)) if hard != resource.RLIM_INFINITY
+                                                    else 2 * need, hard))  # fmt: skip
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def diagnose_safetensors(path: str | os.PathLike) -> str | None:

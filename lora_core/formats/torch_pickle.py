@@ -118,10 +118,22 @@ class _Unpickler(pickle.Unpickler):
             return self._classes[(module, name)]
         if module == "torch" and name in _DTYPES:
             return name
+        if module == "torch" and name.endswith("Storage"):
+            raise UnsupportedTensor(f"a tensor of torch.{name} (dtype {name[: -len('Storage')] or 'untyped'}) is not "
+                                    f"supported; the dtypes read: {', '.join(sorted(_DTYPES))}")  # fmt: skip
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            raise UnsupportedTensor("a tensor of a dtype torch saves without a typed storage (torch._utils."
+                                    "_rebuild_tensor_v3: uint16/32/64, float8, ...) is not supported; the dtypes "
+                                    f"read: {', '.join(sorted(_DTYPES))}")  # fmt: skip
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a tensor state dict")
 
     def persistent_load(self, pid):
         return self._load_storage(pid)
+
+
+class UnsupportedTensor(pickle.UnpicklingError):
+    """An intact file holding a tensor this reader does not convert (its dtype): named as such,
+    not as a damaged file."""
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -149,6 +161,8 @@ class _ZipErrors:
         return self
 
     def __exit__(self, kind, e, tb):
+        if isinstance(e, UnsupportedTensor):
+            raise CheckpointError(f"{self.path}: {e}") from e
         if isinstance(e, (zipfile.BadZipFile, zlib.error, KeyError, EOFError, pickle.UnpicklingError, ValueError)) \
                 and not isinstance(e, CheckpointError):
             raise CheckpointError(f"{self.path}: damaged PyTorch zip archive ({type(e).__name__}: {e})") from e
@@ -202,6 +216,10 @@ def _load_zip(path: str, lazy: bool = False) -> dict:
         if not pkls:
             raise CheckpointError(f"{path}: a zip archive without data.pkl: not a torch.save file")
         root = pkls[0][: -len("data.pkl")]
+        if f"{root}byteorder" in zf.namelist() and zf.read(f"{root}byteorder").strip() != b"little":
+            order = zf.read(f"{root}byteorder").decode("ascii", "replace").strip()
+            raise CheckpointError(f"{path}: its byteorder record says {order!r}: only little-endian torch.save "
+                                  f"archives are read (load it with torch on its machine and save it again)")  # fmt: skip
         cache = {}
 
         def load_storage(pid):
@@ -240,6 +258,8 @@ def _load_legacy(path: str, lazy: bool = False) -> dict:
         except (EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as e:
             if isinstance(e, CheckpointError):
                 raise
+            if isinstance(e, UnsupportedTensor):
+                raise CheckpointError(f"{path}: {e}") from e
             cut = isinstance(e, EOFError) or "truncated" in str(e)
             why = "truncated legacy PyTorch file (it ends inside a pickle)" if cut else "damaged legacy PyTorch file"
             raise CheckpointError(f"{path}: {why} ({type(e).__name__}: {e})") from e

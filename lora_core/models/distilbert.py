@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.checkpoint import check_tensors
-from ..formats.tensor_files import CheckpointError, read_json, read_tensors
+from ..formats.hf_checkpoint import find_weights, read_hf_weights
+from ..formats.tensor_files import CheckpointError, read_json
 
 MLM_HEAD_KEYS = (
     "vocab_transform.weight",
@@ -158,7 +159,8 @@ def load_distilbert_checkpoint(
     """Load HF DistilBERT weights strictly.
 
     Args:
-        path: a weights file or a folder with ``model.safetensors`` / ``pytorch_model.bin``.
+        path: a weights file or a folder with ``model.safetensors`` / ``pytorch_model.bin`` or
+            either's shards with their index (``hf_checkpoint.find_weights``).
         cfg: the architecture; default: ``config.json`` beside the weights.
         num_labels: overrides the config's label count (a new head).
         lazy: leave each tensor as the file gives it (a memory map, or a ``LazyTensor`` where
@@ -170,19 +172,13 @@ def load_distilbert_checkpoint(
         caller adds ``init_head(cfg)`` explicitly.
     """
     path = Path(path)
-    wpath = (
-        path
-        if path.is_file()
-        else next((path / n for n in ("model.safetensors", "pytorch_model.bin") if (path / n).is_file()), None)
-    )
-    if wpath is None:
-        raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin in this folder")
+    wpath = find_weights(path)  # a weights file, or an index of shards
     if cfg is None:
         cfg_json = wpath.parent / "config.json"
         if not cfg_json.is_file():
             raise CheckpointError(f"{wpath}: no config.json beside it; pass a DistilBertConfig")
         cfg = DistilBertConfig.from_hf_json(cfg_json, num_labels)
-    raw = read_tensors(wpath, mmap=True, lazy=lazy)
+    raw = read_hf_weights(wpath, lazy=lazy)
     mlm = [k for k in raw if k in MLM_HEAD_KEYS]
     tensors = {k: v if lazy else np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()
                if k not in MLM_HEAD_KEYS}

@@ -153,7 +153,33 @@ class GPT2Config:
             raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not supported; the causal LMs read are "
                              f"{('gpt2',) + MODEL_TYPES} (and 'distilbert' for classification)")  # fmt: skip
         keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
-        return cls(**{k: d[k] for k in keys if k in d})
+        cfg = cls(**{k: d[k] for k in keys if k in d})
+        _refuse_other_gpt2(path, d, cfg)
+        return cfg
+
+
+def _refuse_other_gpt2(path, d: dict, cfg: GPT2Config) -> None:
+    """Refuse, naming the field, what ``transformers``' GPT-2 can be configured to compute and
+    ours does not: another activation, unscaled or per-layer-scaled attention scores, another MLP
+    width, an untied head (the loader would otherwise give other logits without a word, or fail
+    on shapes far from the cause). ``reorder_and_upcast_attn`` only changes half-precision
+    rounding in transformers (float32 scores either way), so it is accepted."""
+    act = d.get("activation_function", "gelu_new")
+    if act not in GELU_TANH_NAMES:
+        raise ValueError(f"{path}: activation_function {act!r} is not supported; GPT-2 here uses the tanh GELU "
+                         f"({' or '.join(map(repr, GELU_TANH_NAMES))})")  # fmt: skip
+    for key, ours in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("tie_word_embeddings", True)):  # fmt: skip
+        if key in d and d[key] is not None and bool(d[key]) != ours:
+            raise ValueError(f"{path}: {key}={d[key]!r} is not supported (GPT-2 here: {key}={ours})")
+    inner = d.get("n_inner")
+    if inner is not None and inner != 4 * cfg.n_embd:
+        raise ValueError(f"{path}: n_inner={inner} is not supported; GPT-2 here has the MLP width 4 x n_embd = "
+                         f"{4 * cfg.n_embd}")  # fmt: skip
+
+
+# transformers' names of the tanh-approximated GELU GPT-2 uses (its default "gelu_new")
+GELU_TANH_NAMES = ("gelu_new", "gelu_pytorch_tanh")
 
 
 # Model sizes in one table (HF / OpenAI GPT-2; tiny ones for tests and the demo).
