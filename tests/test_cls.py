@@ -4,6 +4,8 @@ jittor with shared dropout masks (every dropout and LoRA's): loss curves agree."
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from helpers import assert_close
@@ -27,6 +29,39 @@ def test_tsv_errors_name_file_and_line(tmp_path):
     p.write_text("sentence\tlabel\ngood\n")
     with pytest.raises(cls_data.DataError, match=r"train.tsv:2: expected 2 tab-separated fields, got 1"):
         cls_data.read_tsv(p)
+    p.write_bytes(b"sentence\tlabel\ngood\t1\nbad \xff\t0\n")
+    with pytest.raises(cls_data.DataError, match=r"train.tsv:3: not UTF-8 text \(byte 0xff\)"):
+        cls_data.read_tsv(p)
+
+
+def test_test_split_keeps_glue_indices(shared_dir, tmp_path, monkeypatch):
+    """test.tsv's index column is GLUE's id of each sentence: kept into test.jsonl and the
+    predictions file (a submission names it), checked (whole numbers, each once); --max-len < 2
+    (no room for [CLS] and [SEP]) refused."""
+    from examples.cls import prepare
+
+    p = tmp_path / "test.tsv"
+    p.write_text("index\tsentence\n999\ta fine film\n4\tdull\n")
+    assert cls_data.read_tsv(p, labelled=False) == [("a fine film", 999), ("dull", 4)]
+    for body, words in (("x\tdull\n", "index 'x' is not a whole number"), ("4\ta\n4\tb\n", "index 4 again (line 2")):
+        p.write_text("index\tsentence\n" + body)
+        with pytest.raises(cls_data.DataError, match=re.escape(words)):
+            cls_data.read_tsv(p, labelled=False)
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nbad\t0\n")
+    p.write_text("index\tsentence\n999\ta fine film\n4\tdull\n")
+    vocab = shared_dir / "data" / "distilbert-vocab" / "vocab.txt"
+    prepare.prepare(tmp_path, vocab, tmp_path / "enc")
+    ids, labels, indices = prepare.read_prepared(tmp_path / "enc" / "test.jsonl", with_index=True)
+    assert labels is None and indices == [999, 4] and len(ids) == 2
+    assert prepare.read_prepared(tmp_path / "enc" / "dev.jsonl", with_index=True)[2] is None
+    from examples.cls import evaluate
+
+    monkeypatch.setattr(evaluate, "predict", lambda bk, model, ids: np.arange(len(ids)) % 2)
+    evaluate.write_predictions(None, None, tmp_path / "enc", tmp_path / "pred", {})
+    assert (tmp_path / "pred" / "test_predictions.tsv").read_text() == "index\tprediction\n999\t0\n4\t1\n"
+    with pytest.raises(ValueError, match="--max-len 1: a sentence takes at least 2 tokens"):
+        prepare.prepare(tmp_path, vocab, tmp_path / "enc2", max_len=1)
 
 
 def test_sst2_files_and_wordpiece_match_bert_tokenizer(shared_dir):

@@ -196,6 +196,9 @@ def test_bad_input_is_named(data, tmp_path):
     (bad / "y.jsonl").write_text('{"ids": [1, 5, 2], "label": 1}\nnot json\n')
     with pytest.raises(DataError, match="y.jsonl:2: not JSON"):
         read_prepared(bad / "y.jsonl")
+    (bad / "z.jsonl").write_bytes(b'{"ids": [1, 5, 2], "label": 1}\n{"ids": [1, 5, 2], "label": 0, "x": "\xff"}\n')
+    with pytest.raises(DataError, match="z.jsonl:2: not UTF-8 text"):
+        read_prepared(bad / "z.jsonl")
 
 
 def test_bf16_classification_tracks_fp32(data, tmp_path):

@@ -208,11 +208,18 @@ def test_train_refuses_bad_folders_and_files_in_one_line(prepared, tmp_path, cap
     empty = tmp_path / "empty"
     shutil.copytree(out, empty)
     (empty / "train.jsonl").write_text("")
+    bools, no_vocab = tmp_path / "bools", tmp_path / "no_vocab"  # JSON true/false are not token ids
+    shutil.copytree(out, bools)
+    (bools / "train.jsonl").write_text('{"ids": [true, false, true, 7, 9]}\n')
+    shutil.copytree(out, no_vocab)
+    (no_vocab / "meta.json").write_text("{}")
     base = ["--recipe", "lm-demo", "--random-init", "tiny-llama", "--vocab-size", str(_vocab(out)), "--no-progress"]
     for argv, words in (
         (["--prepared", str(out), "--out-dir", str(a_file)], f"--out-dir {a_file}: a file, not a folder"),
         (["--prepared", str(empty), "--out-dir", str(tmp_path / "r1")], f"{empty / 'train.jsonl'}: the file is empty"),
         (["--prepared", str(a_file), "--out-dir", str(tmp_path / "r2")], f"--prepared {a_file}: a file, not a folder"),
+        (["--prepared", str(bools), "--out-dir", str(tmp_path / "r4")], f"{bools / 'train.jsonl'}: line 1: 'ids' must"),
+        (["--prepared", str(no_vocab), "--out-dir", str(tmp_path / "r5")], f"{no_vocab / 'meta.json'}: no 'vocab_size'"),
     ):
         assert lm_train.main(base + argv) == 1
         err = capsys.readouterr().err

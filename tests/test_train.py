@@ -448,3 +448,59 @@ def test_run_folder_of_an_older_version_resumes(toy, tmp_path):
     assert fit(cfg)["step"] == 4
     with pytest.raises(ValueError, match="train.precision: saved 'fp32', now 'bf16'"):
         fit(dataclasses.replace(cfg, precision="bf16"))
+
+
+def test_last_checkpoint_follows_the_final_evaluation(toy, tmp_path, monkeypatch):
+    """With save_every dividing the run and no evaluation due at its end by eval_every, the final
+    evaluation still comes before the last checkpoint: a run killed between the two resumes from an
+    earlier checkpoint and evaluates again (the last checkpoint was written first: a resume found
+    the run done and never evaluated it)."""
+    from lora_core.data.nlg import read_encoded
+    from lora_core.train.trainer import Trainer
+
+    events = []
+    for name, kind in (("_evaluate", "eval"), ("save_checkpoint", "save")):
+        orig = getattr(Trainer, name)
+        monkeypatch.setattr(Trainer, name, lambda self, *a, _o=orig, _k=kind: events.append((_k, self.state.step))
+                            or _o(self, *a))  # fmt: skip
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=3", "eval_every=0"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    out = train(be, model, read_encoded(toy["train"]), read_encoded(toy["valid"]), cfg, tmp_path / "run",
+                max_steps=9, progress=False)  # fmt: skip
+    assert events == [("save", 3), ("save", 6), ("eval", 9), ("save", 9)] and "valid_nll" in out
+
+
+def test_non_finite_values_are_logged_as_json_null(toy, tmp_path):
+    """A diverged run's loss is NaN: log.jsonl says null (JSON has no NaN; strict readers refuse it)."""
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["lr=1e30", "warmup=0", "eval_every=2"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    train(be, model, read_encoded(toy["train"]), read_encoded(toy["valid"]), cfg, tmp_path / "run", max_steps=4,
+          progress=False)  # fmt: skip
+
+    def refuse(name):
+        raise AssertionError(f"{name} in log.jsonl")
+
+    recs = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "train" and r["loss"] is None for r in recs)
+    assert any(r["kind"] == "eval" and r["valid_nll"] is None for r in recs)
+
+
+def test_drop_with_a_batch_larger_than_the_training_set_is_refused(toy, tmp_path):
+    """last_batch 'drop' and fewer examples than batch_size: no batch in an epoch (the loop spun
+    forever with max_steps, or divided by zero without): refused before the run folder."""
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["batch_size=64", "last_batch=drop"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+    for steps in (5, None):
+        with pytest.raises(ValueError, match=r"batch_size=64 with last_batch='drop' leaves no batch: .* 48 examples"):
+            train(be, model, read_encoded(toy["train"]), None, cfg, tmp_path / "run", max_steps=steps, progress=False)
+    assert not (tmp_path / "run").exists()

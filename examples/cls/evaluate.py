@@ -58,9 +58,9 @@ def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> di
         path = prepared / f"{split}.jsonl"
         if not path.is_file():
             continue
-        ids, labels = read_prepared(path)
+        ids, labels, indices = read_prepared(path, with_index=True)
         pred = predict(bk, model, ids)
-        rows = "".join(f"{i}\t{p}\n" for i, p in enumerate(pred))
+        rows = "".join(f"{i}\t{p}\n" for i, p in zip(indices or range(len(pred)), pred))  # test: GLUE's indices
         write_text_atomic(out / f"{split}_predictions.tsv", "index\tprediction\n" + rows)
         if labels is not None:
             metrics[f"{split}_accuracy"] = cls_data.accuracy(pred, labels)

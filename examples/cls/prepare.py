@@ -26,6 +26,8 @@ SPLITS = {"train": True, "dev": True, "test": False}  # split -> labelled
 
 def prepare(data_dir: Path, vocab: Path, out_dir: Path, max_len: int = 128) -> dict:
     """Encode every split; returns ``{split: {"n", "cut", "max_tokens"}}``."""
+    if max_len < 2:
+        raise ValueError(f"--max-len {max_len}: a sentence takes at least 2 tokens ([CLS] and [SEP])")
     tok = cls_data.wordpiece_tokenizer(vocab)
     rows = {s: cls_data.read_tsv(data_dir / f"{s}.tsv", labelled) for s, labelled in SPLITS.items()}  # all read first
     summary = {}
@@ -34,20 +36,23 @@ def prepare(data_dir: Path, vocab: Path, out_dir: Path, max_len: int = 128) -> d
         if labelled:
             records = [{"ids": i, "label": lab} for i, (_, lab) in zip(ids, rows[split])]
         else:
-            records = [{"index": n, "ids": i} for n, i in enumerate(ids)]
+            records = [{"index": index, "ids": i} for i, (_, index) in zip(ids, rows[split])]
         write_jsonl_atomic(out_dir / f"{split}.jsonl", records)
         summary[split] = {"n": len(ids), "cut": cut, "max_tokens": max(map(len, ids), default=0)}
     return summary
 
 
-def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
-    """``(ids, labels)`` of a prepared split (labels None for test); a line that is not such a
-    record raises ``cls_data.DataError`` naming the file and line."""
-    ids, labels = [], []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, start=1):
+def read_prepared(path: Path, with_index: bool = False):
+    """``(ids, labels)`` of a prepared split (labels None for test); ``with_index``: also the
+    test split's GLUE indices (``None`` for a labelled split; older files without them: 0..n-1).
+    A line that is not such a record raises ``cls_data.DataError`` naming the file and line."""
+    ids, labels, indices = [], [], []
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, start=1):
             try:
-                r = json.loads(line)
+                r = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise cls_data.DataError(f"{path}:{no}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise cls_data.DataError(f"{path}:{no}: not JSON ({e.msg})") from None
             seq = r.get("ids") if isinstance(r, dict) else None
@@ -61,8 +66,13 @@ def read_prepared(path: Path) -> tuple[list[list[int]], list[int] | None]:
                 if r["label"] not in (0, 1) or type(r["label"]) is not int:
                     raise cls_data.DataError(f"{path}:{no}: label {r['label']!r} is not 0 or 1")
                 labels.append(r["label"])
+            else:
+                index = r.get("index", no - 1)
+                if type(index) is not int or index < 0:
+                    raise cls_data.DataError(f"{path}:{no}: index {index!r} is not a whole number")
+                indices.append(index)
             ids.append(seq)
-    return ids, labels
+    return (ids, labels, None if labels is not None else indices) if with_index else (ids, labels)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         summary = prepare(args.data_dir, args.vocab, args.out_dir, args.max_len)
-    except (cls_data.DataError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # DataError is a ValueError; a missing file or a folder an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
     for split, s in summary.items():

@@ -68,13 +68,16 @@ def read_prepared(prepared: Path) -> tuple[list[dict], list[dict], dict]:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path}: no such file (run examples.lm.prepare first)")
     meta = read_json(meta_path)
+    if type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
+        raise ValueError(f"{meta_path}: no 'vocab_size' (a positive int: the tokenizer's size) in it; "
+                         f"run examples.lm.prepare again")  # fmt: skip
     out = []
     for split in ("train", "valid"):
         path = check_data_file(prepared / f"{split}.jsonl", hint="run examples.lm.prepare first")
         recs = read_jsonl(path)
         for i, r in enumerate(recs, 1):
             ids = r.get("ids")
-            if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
+            if not isinstance(ids, list) or len(ids) < 2 or not all(type(t) is int and t >= 0 for t in ids):
                 raise ValueError(f"{path}: line {i}: 'ids' must be a list of at least 2 token ids")
         out.append(recs)
     return out[0], out[1], meta

@@ -12,6 +12,7 @@ returned, never hidden. Batches are padded to their longest sentence (dynamic pa
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -22,11 +23,16 @@ class DataError(ValueError):
     """A data file that is not what it should be: names the file, line and problem."""
 
 
-def read_tsv(path: str | os.PathLike, labelled: bool = True) -> list[tuple[str, int | None]]:
-    """``[(sentence, label)]`` of an SST-2 TSV (label None for ``test.tsv``)."""
+def read_tsv(path: str | os.PathLike, labelled: bool = True) -> list[tuple[str, int]]:
+    """``[(sentence, label)]`` of an SST-2 TSV; for ``test.tsv`` (``labelled=False``)
+    ``[(sentence, index)]``, GLUE's index of each sentence (a submission names it)."""
     header = LABELLED_HEADER if labelled else TEST_HEADER
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    raw = Path(path).read_bytes()  # a missing file or a folder: OSError naming it
+    try:
+        lines = raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
     if lines and lines[-1] == "":
         lines.pop()
     if not lines or lines[0].split("\t") != header:
@@ -43,7 +49,15 @@ def read_tsv(path: str | os.PathLike, labelled: bool = True) -> list[tuple[str, 
                 raise DataError(f"{path}:{no}: label {label!r} is not 0 or 1")
             out.append((sentence.strip(), int(label)))
         else:
-            out.append((fields[1].strip(), None))
+            index, sentence = fields
+            if not index.isdigit() or not index.isascii():
+                raise DataError(f"{path}:{no}: index {index!r} is not a whole number")
+            out.append((sentence.strip(), int(index)))
+    if not labelled:
+        seen: dict[int, int] = {}
+        for no, (_, index) in enumerate(out, start=2):
+            if seen.setdefault(index, no) != no:
+                raise DataError(f"{path}:{no}: index {index} again (line {seen[index]} has it)")
     return out
 
 
@@ -68,7 +82,10 @@ def wordpiece_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True):
 
 
 def encode(tokenizer, sentences: list[str], max_len: int = 128) -> tuple[list[list[int]], int]:
-    """Token ids per sentence, cut to ``max_len`` (keeping ``[SEP]`` last), and how many were cut."""
+    """Token ids per sentence, cut to ``max_len`` (keeping ``[SEP]`` last), and how many were cut.
+    ``max_len`` must hold ``[CLS]`` and ``[SEP]`` (>= 2)."""
+    if max_len < 2:
+        raise ValueError(f"max_len={max_len}: a sequence holds at least [CLS] and [SEP] (2 tokens)")
     ids, cut = [], 0
     sep = tokenizer.token_to_id("[SEP]")
     for enc in tokenizer.encode_batch(sentences):

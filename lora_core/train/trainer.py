@@ -113,6 +113,18 @@ def evaluate(backend, model, examples, batch_size: int, pad_to: int | None = Non
     return task.evaluate(backend, model, task.examples(examples), batch_size, cfg, comm)
 
 
+def _json_finite(value):
+    """``value`` with every NaN or infinite float as ``None``: JSON has no such numbers (Python
+    writes ``NaN``, which other readers refuse), and a diverged run logs them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_finite(v) for v in value]
+    return value
+
+
 @dataclasses.dataclass
 class TrainerState:
     """Position of the run; ``batch_in_epoch`` batches of ``epoch`` (0-based) are done."""
@@ -228,7 +240,7 @@ class Trainer:
         if not self.comm.world.is_main:
             return
         with open(self.out_dir / LOG_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(_json_finite(record), allow_nan=False) + "\n")
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -300,6 +312,9 @@ class Trainer:
         if valid_examples is not None and len(valid_examples) == 0:
             raise ValueError("the validation set is empty: give valid_examples=None to train without validation")
         valid = self.task.examples(valid_examples or [])[: cfg.eval_limit]
+        if steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch) == 0:
+            raise ValueError(f"batch_size={cfg.batch_size} with last_batch='drop' leaves no batch: the training set "
+                             f"holds {len(pairs)} examples (lower batch_size, or last_batch 'keep' or 'fill')")  # fmt: skip
         self.task.check(pairs + valid, model)
         if cfg.pad_to is not None:  # every row padded to pad_to input tokens: none may be longer
             longest = max(self.task.sizes(e)[1] for e in pairs + valid)
@@ -338,7 +353,7 @@ class Trainer:
         cfg, be, s = self.cfg, self.backend, self.state
         bar = step_bar(total, s.step, f"train[{be.NAME}]", self.progress)
         window = dict(n=0, time=0.0, examples=0, tokens=0)  # this process's updates since the last record
-        start_step, result = s.step, {}
+        result = {}
         while s.step < total:
             batches = epoch_batches(len(pairs), cfg.batch_size, cfg.seed, s.epoch, cfg.last_batch)
             for b in range(s.batch_in_epoch, len(batches)):
@@ -367,11 +382,6 @@ class Trainer:
                 if s.step >= total:
                     break
         bar.close()
-        if s.step > start_step:
-            if valid and not (cfg.eval_every and s.step % cfg.eval_every == 0):  # not evaluated at this step yet
-                result.update(self._evaluate(valid, per_epoch))
-            if not (cfg.save_every and s.step % cfg.save_every == 0):
-                self.save_checkpoint(total)
         return {
             "step": s.step,
             "epoch": round(s.step / per_epoch, 4),
@@ -419,7 +429,7 @@ class Trainer:
                     "lr": lr,
                     "loss": out["loss"],
                     "avg_loss": s.window_loss / s.window_steps,
-                    "grad_norm": None if norm is None or math.isnan(norm) else norm,
+                    "grad_norm": norm,  # NaN (a step fp16 skipped): null, as every non-finite value
                     "ms_per_batch": 1000 * w["time"] / w["n"],
                     "examples_per_s": w["examples"] / w["time"],
                     "tokens_per_s": w["tokens"] / w["time"],
@@ -429,9 +439,11 @@ class Trainer:
             )
             window.update(n=0, time=0.0, examples=0, tokens=0)
             s.window_loss, s.window_steps = 0.0, 0
-        if valid and cfg.eval_every and s.step % cfg.eval_every == 0:
+        final = s.step == total  # evaluated before the last checkpoint: a run killed between the two
+        # resumes from an earlier one and evaluates again, never ends saved without its final evaluation
+        if valid and (final or cfg.eval_every and s.step % cfg.eval_every == 0):
             result.update(self._evaluate(valid, per_epoch))
-        if cfg.save_every and s.step % cfg.save_every == 0:
+        if final or cfg.save_every and s.step % cfg.save_every == 0:
             self.save_checkpoint(total)
         return result
 
