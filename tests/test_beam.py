@@ -313,3 +313,15 @@ def test_nan_logits_are_named_with_either_scoring(backend):
     for logits in (x.copy(), gen.DeviceLogits(tensor(x.copy()))):
         with pytest.raises(FloatingPointError, match=r"step 0: the model returned NaN logits \(rows \[3\]\)"):
             BeamSearch(2, cfg).step(logits)
+
+
+def test_beam_wider_than_the_vocabulary_is_refused():
+    """The first step holds one beam's V candidates: beam > V had too few to fill the beams (an
+    IndexError further on); refused naming both."""
+    bs = BeamSearch(1, BeamConfig(beam=8, max_new_tokens=3, no_repeat_ngram_size=0, stop_ids=()))
+    with pytest.raises(ValueError, match=r"beam 8 is larger than the vocabulary \(6 tokens\)"):
+        bs.step(np.zeros((8, 6), np.float32))
+    bs = BeamSearch(1, BeamConfig(beam=6, max_new_tokens=3, no_repeat_ngram_size=0, stop_ids=()))
+    while not bs.done:  # beam == V works
+        bs.step(np.random.default_rng(bs.step_index).normal(size=(6, 6)).astype(np.float32))
+    assert len(bs.best[0]) == 3

@@ -292,3 +292,27 @@ def test_cuda_train_evaluate_generate_match_the_cpu(prepared):
         assert len(gpu) == len(cpu) == 6 and np.abs(np.array(gpu) - cpu).max() <= 1e-4 * max(map(abs, cpu)), (cpu, gpu)
     assert abs(nll["cuda"] - nll["cpu"]) <= 1e-4 * nll["cpu"]
     assert text["cuda"] == text["cpu"] and text["cpu"][0].startswith("The restaurant")
+
+
+def test_generated_text_keeps_the_word_boundary_at_the_prompt(tmp_path):
+    """A SentencePiece-style decoder (Llama 2, Mistral: Metaspace) drops a text's first leading
+    space: the continuation is the prompt and the new tokens decoded together, less the prompt's
+    text, so its first word is not glued to the prompt; byte-level BPE (GPT-2) gives the same
+    either way."""
+    import tokenizers
+    from tokenizers import decoders
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Metaspace
+
+    from examples.lm.generate import continuation
+    from lora_core.data.tokenizer import load_tokenizer
+
+    words = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, 20)]
+    tk = tokenizers.Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = Metaspace(replacement="\u2581", prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path, eos_token="</s>")
+    ctx = tok.encode("w5 w7")
+    assert tok.decode([9, 10]) == "w9 w10"  # decoded alone: no leading space
+    assert "w5 w7" + continuation(tok, ctx, [9, 10]) == "w5 w7 w9 w10"

@@ -51,7 +51,16 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
                          f"new tokens or a shorter prompt")  # fmt: skip
     cfg = BeamConfig(beam=beam, max_new_tokens=max_new_tokens, no_repeat_ngram_size=0, stop_ids=(tok.eos_id,))
     outs = backend.beam_search(model, contexts, cfg, batch_size=min(8, len(contexts)))
-    return [tok.decode([t for t in o if t != tok.eos_id]) for o in outs]
+    return [continuation(tok, c, [t for t in o if t != tok.eos_id]) for c, o in zip(contexts, outs)]
+
+
+def continuation(tok, context: list[int], generated: list[int]) -> str:
+    """The text ``generated`` adds to ``context``: the two decoded together, less the context's
+    own text (as transformers' text pipelines take it), so that a word boundary at the join
+    survives: SentencePiece decoders (Llama 2, Mistral) drop the leading space of a text's first
+    token, which the continuation decoded alone would lose."""
+    whole, head = tok.decode(context + generated), tok.decode(context)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(generated)
 
 
 def main(argv: list[str] | None = None) -> int:

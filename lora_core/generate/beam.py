@@ -83,6 +83,8 @@ class BeamSearch:
             cache with it) and the token it appends, both (B*beam,) int64.
         """
         V = logits.shape[-1]
+        if V < self.k:  # the first step has V candidates for the k beams
+            raise ValueError(f"beam {self.k} is larger than the vocabulary ({V} tokens): choose beam <= {V}")
         edits = logit_edits(self.history, self.step_index, logits.shape[0], self.cfg)
         if hasattr(logits, "candidates"):
             cand = logits.candidates(edits, min(self.k, V))
