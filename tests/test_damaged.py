@@ -414,3 +414,27 @@ print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(out) == 256 if hard else int(out) > 600
+
+
+def test_a_save_killed_over_an_older_one_never_pairs_new_weights_with_old_settings(tmp_path, monkeypatch):
+    """Saving over an adapter (or model) folder removes its old config first and writes the new
+    config last: a kill after the weights leaves a folder the loader calls incomplete, not the new
+    weights under the old adapter's scaling."""
+    import lora_core.formats.checkpoint as ck
+
+    d = tmp_path / "adapter"
+    lc.save_adapter(d, CFG, LORA, lc.init_lora_weights(CFG, LORA))
+    other = lc.LoRAConfig(r=2, alpha=32)
+
+    def killed(path, obj):
+        raise KeyboardInterrupt("killed")  # what a kill after the weights' rename leaves
+
+    monkeypatch.setattr(ck, "write_json_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        lc.save_adapter(d, CFG, other, lc.init_lora_weights(CFG, other))
+    monkeypatch.undo()
+    assert not (d / "adapter_config.json").exists() and (d / "adapter.safetensors").exists()
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        lc.load_adapter(d)
+    lc.save_adapter(d, CFG, other, lc.init_lora_weights(CFG, other))  # a complete save reads again
+    assert lc.load_adapter(d)[0].alpha == 32

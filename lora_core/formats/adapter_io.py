@@ -27,8 +27,7 @@ from .checkpoint import (
     ADAPTER_WEIGHTS,
     FORMAT_VERSION,
     check_tensors,
-    write_json_atomic,
-    write_safetensors_atomic,
+    write_weights_and_config,
 )
 from .tensor_files import CheckpointError, read_json, read_tensors
 
@@ -60,11 +59,9 @@ def save(
     expected = expected_shapes(inj, param_shapes)
     check_tensors(path, {k: v for k, v in tensors.items() if k in expected}, expected)
     if format == "lora_core":
-        write_safetensors_atomic(path / ADAPTER_WEIGHTS, {k: tensors[k] for k in expected})
-        write_json_atomic(
-            path / ADAPTER_CONFIG,
-            {"lora_core_format": FORMAT_VERSION, "kind": "injected", "targets": inj.config.to_dict(), "base": base},
-        )
+        write_weights_and_config(path, ADAPTER_WEIGHTS, {k: tensors[k] for k in expected}, None, ADAPTER_CONFIG,
+                                 {"lora_core_format": FORMAT_VERSION, "kind": "injected",
+                                  "targets": inj.config.to_dict(), "base": base})  # fmt: skip
     elif format == "peft":
         cfg = inj.config
         # regexes match full names: they get the prefix unless they were matched with it already
@@ -78,8 +75,7 @@ def save(
             module_prefix_for_regex = module_prefix
         meta = pf.config_to_peft(cfg, inj.plans, module_prefix_for_regex, base)
         out = pf.tensors_to_peft({k: tensors[k] for k in expected}, inj.plans, module_prefix)
-        write_safetensors_atomic(path / pf.PEFT_WEIGHTS, out, {"format": "pt"})
-        write_json_atomic(path / pf.PEFT_CONFIG, meta)
+        write_weights_and_config(path, pf.PEFT_WEIGHTS, out, {"format": "pt"}, pf.PEFT_CONFIG, meta)
     else:
         raise ValueError(f"adapter format must be 'lora_core' or 'peft', got {format!r}")
 

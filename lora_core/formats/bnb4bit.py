@@ -169,7 +169,7 @@ def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: d
     is ``skip_modules``: the linear layers transformers must leave in full precision) and
     ``model.safetensors`` (``tensors``, float32, and each state in ``states`` as
     ``bnb4bit_tensors``; names are transformers'), each written atomically."""
-    from .checkpoint import write_json_atomic, write_safetensors_atomic
+    from .checkpoint import write_weights_and_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -179,10 +179,9 @@ def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: d
         raise ValueError("all 4-bit weights of a checkpoint must share double quantization (one quantization_config)")
     for name, st in states.items():
         arrays.update(bnb4bit_tensors(name, st))
-    write_safetensors_atomic(folder / "model.safetensors", arrays, metadata={"format": "pt"})
     cfg = json.loads(json.dumps(config))
     cfg["quantization_config"] = bnb4bit_config(nested.pop() if nested else True, compute_dtype, skip_modules)
-    write_json_atomic(folder / "config.json", cfg)
+    write_weights_and_config(folder, "model.safetensors", arrays, {"format": "pt"}, "config.json", cfg)
 
 
 __all__ = ["bnb4bit_config", "bnb4bit_tensors", "quantization_config", "split_bnb4bit", "write_bnb4bit_checkpoint"]

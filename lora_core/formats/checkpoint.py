@@ -113,6 +113,20 @@ def write_safetensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dic
     atomic_write(path, lambda tmp: save_file(arrays, tmp, metadata=metadata))
 
 
+def write_weights_and_config(folder, weights_name: str, tensors: dict[str, np.ndarray], metadata: dict | None,
+                             config_name: str, config: dict) -> None:
+    """A checkpoint's weights and the config that says what they are, saved so that no kill
+    leaves one save's weights under another save's config: an old config in ``folder`` is
+    removed first, the weights written, the config last (each file atomically). Until the config
+    is written the folder reads as incomplete (the loaders name the missing config), never as the
+    new weights under the old settings."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / config_name).unlink(missing_ok=True)
+    write_safetensors_atomic(folder / weights_name, tensors, metadata)
+    write_json_atomic(folder / config_name, config)
+
+
 def infer_gpt2_config(tensors: dict[str, np.ndarray], path="checkpoint") -> GPT2Config:
     """GPT-2 sizes read off the canonical tensors (heads from the standard widths)."""
     if "wte.weight" not in tensors or "wpe.weight" not in tensors:
@@ -175,9 +189,9 @@ def save_model(path: str | os.PathLike, cfg: GPT2Config, tensors: dict[str, np.n
     path = Path(path)
     expected = dict(base_shapes(cfg), **(lora_shapes(cfg, lora) if lora else {}))
     check_tensors(path / MODEL_WEIGHTS, tensors, expected)
-    write_safetensors_atomic(path / MODEL_WEIGHTS, tensors, {"format": "lora_core", "version": str(FORMAT_VERSION)})
-    write_json_atomic(path / MODEL_CONFIG, {"model_type": "gpt2", "lora_core_format": FORMAT_VERSION,
-                                            **cfg.to_dict(), "lora": lora.to_dict() if lora else None})
+    write_weights_and_config(path, MODEL_WEIGHTS, tensors, {"format": "lora_core", "version": str(FORMAT_VERSION)},
+                             MODEL_CONFIG, {"model_type": "gpt2", "lora_core_format": FORMAT_VERSION, **cfg.to_dict(),
+                                            "lora": lora.to_dict() if lora else None})  # fmt: skip
 
 
 def load_model(path: str | os.PathLike) -> tuple[GPT2Config, LoRAConfig | None, dict[str, np.ndarray]]:
@@ -219,9 +233,9 @@ def save_adapter(path: str | os.PathLike, cfg: GPT2Config, lora: LoRAConfig,
     path = Path(path)
     expected = adapter_shapes(cfg, lora)
     check_tensors(path / ADAPTER_WEIGHTS, {k: v for k, v in tensors.items() if k in expected}, expected)
-    write_safetensors_atomic(path / ADAPTER_WEIGHTS, {k: tensors[k] for k in expected})
-    write_json_atomic(path / ADAPTER_CONFIG, {"lora_core_format": FORMAT_VERSION, "lora": lora.to_dict(),
-                                              "base_config": cfg.to_dict(), "base": base})
+    write_weights_and_config(path, ADAPTER_WEIGHTS, {k: tensors[k] for k in expected}, None, ADAPTER_CONFIG,
+                             {"lora_core_format": FORMAT_VERSION, "lora": lora.to_dict(), "base_config": cfg.to_dict(),
+                              "base": base})  # fmt: skip
 
 
 def load_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, GPT2Config, dict[str, np.ndarray], str | None]:

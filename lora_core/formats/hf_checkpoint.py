@@ -81,10 +81,10 @@ def write_hf_checkpoint(folder: str | os.PathLike, config: dict, tensors: dict[s
     atomically (a kill leaves no half-written file under the final name)."""
     import json
 
-    from .checkpoint import write_json_atomic, write_safetensors_atomic
+    from .checkpoint import write_weights_and_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
-    write_safetensors_atomic(folder / "model.safetensors", arrays, metadata={"format": "pt"})
-    write_json_atomic(folder / "config.json", json.loads(json.dumps(config)))
+    write_weights_and_config(folder, "model.safetensors", arrays, {"format": "pt"}, "config.json",
+                             json.loads(json.dumps(config)))
