@@ -106,6 +106,9 @@ def test_prepare_holds_out_a_fraction_or_says_why_not(prepared, tmp_path, capsys
     assert lm_prepare.main(args + ["--valid-fraction", "0.999", "--out-dir", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert f"--valid-fraction 0.999 of {n} training blocks holds out {n}, leaving none to train on" in err, err
+    (tmp_path / "blank.txt").write_text("  \n")
+    assert lm_prepare.main(args + ["--valid", str(tmp_path / "blank.txt"), "--out-dir", str(tmp_path / "t")]) == 1
+    assert f"{tmp_path / 'blank.txt'}: empty file (no text to validate on)" in capsys.readouterr().err
     args[1] = str(tmp_path / "no-tokenizer")
     assert lm_prepare.main(args + ["--out-dir", str(tmp_path / "s")]) == 1
     assert f"{tmp_path / 'no-tokenizer'}: no such tokenizer file or folder" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_
     """Encode, pack and write; returns the summary written to ``meta.json``."""
     tok = load_text_tokenizer(tokenizer)
     train_docs = read_documents(train)  # every file is checked before anything is written
-    valid_docs = read_documents(valid) if valid else None
+    valid_docs = read_documents(valid, "text to validate on") if valid else None
     train_blocks = pack_blocks(tokenize_documents(tok, train_docs), block_size, tok.eos_id)
     if valid_docs is not None:
         valid_blocks = pack_blocks(tokenize_documents(tok, valid_docs), block_size, tok.eos_id)

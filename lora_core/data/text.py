@@ -46,11 +46,11 @@ def read_utf8(path: str | os.PathLike, what: str = "text to train on") -> str:
     return text
 
 
-def read_documents(paths: Sequence[str | os.PathLike]) -> list[tuple[str, str]]:
-    """``(path, text)`` of each file, strictly (:func:`read_utf8`)."""
+def read_documents(paths: Sequence[str | os.PathLike], what: str = "text to train on") -> list[tuple[str, str]]:
+    """``(path, text)`` of each file, strictly (:func:`read_utf8`; ``what``: what an empty file lacks)."""
     if not paths:
         raise ValueError("no text files given")
-    return [(str(p), read_utf8(p)) for p in map(Path, paths)]
+    return [(str(p), read_utf8(p, what)) for p in map(Path, paths)]
 
 
 def load_text_tokenizer(spec: str | os.PathLike) -> Tokenizer:
