@@ -128,6 +128,30 @@ def test_v4_config_json_with_rope_scaling(tmp_path):
     assert_close("llama rope inv_freq llama3 (3.2-1B config)", spec.rope_inv_freq(cfg), inv, 1e-7)
 
 
+@pytest.mark.parametrize("mt", ["llama", "mistral", "qwen2"])
+def test_fields_left_out_or_not_in_the_type_read_as_transformers_reads_them(mt):
+    """A config.json that leaves a field out means transformers' default for its model type (they
+    differ: Mistral's MLP width, key/value heads and window, Qwen2's vocabulary, ...); Mistral has
+    no biases and Qwen2 no o/MLP biases whatever attention_bias and mlp_bias say. Parameter counts
+    equal transformers' model of the same config."""
+    from lora_core.plan.memory import PlanConfig, _params, arch_of
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[mt]
+    ours = spec.LlamaConfig.from_hf_dict({"model_type": mt})
+    ref = cls()
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps"):
+        assert getattr(ours, k) == getattr(ref, k), k
+    assert ours.sliding_window == (ref.sliding_window if mt == "mistral" else None)
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, attention_bias=True, mlp_bias=True)  # fmt: skip
+    ours = spec.LlamaConfig.from_hf_dict({"model_type": mt, **small})
+    model = transformers.AutoModelForCausalLM.from_config(cls(**small))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight" or not ours.tie_word_embeddings}
+    assert shapes == {k: tuple(v) for k, v in spec.base_shapes(ours).items()}
+    assert _params(arch_of(ours), PlanConfig(method="full"))[0] == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_logits_match_transformers(backend, checkpoints, kind):
     hf, d = checkpoints[kind]

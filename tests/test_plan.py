@@ -12,7 +12,7 @@ from lora_core.models.gpt2 import PRESETS as GPT2_PRESETS
 from lora_core.models.llama import PRESETS, base_shapes, llama_config
 from lora_core.plan import PlanConfig, bench_plan, plan, resolve_model
 from lora_core.plan.cli import main
-from lora_core.plan.memory import MB, SYSTEMS
+from lora_core.plan.memory import MB, SYSTEMS, arch_of
 from lora_core.plan.validate import (
     FAMILY_FIT_SHAPES,
     FAMILY_FITTED,
@@ -299,6 +299,31 @@ def test_flops_six_n_full_four_n_lora():
     n = full.params - cfg.vocab_size * cfg.hidden_size  # the weights multiplied (the embedding is a lookup)
     assert full.flops_per_token / n == pytest.approx(6, rel=0.01)
     assert lora.flops_per_token / n == pytest.approx(4, rel=0.01)
+    # GC: each layer's forward again (not the LM head, no checkpointed layer holds it), LoRA's with it
+    a = arch_of(cfg)
+    head, layers = 2 * cfg.vocab_size * cfg.hidden_size, 2 * sum(i * o for i, o in a.proj.values()) * a.layers
+    attn = a.layers * 2 * 2 * a.q * (1 + 1) / 2
+    adapters = 2 * a.layers * sum(8 * (a.proj[t][0] + a.proj[t][1]) for t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    lora_gc = plan(cfg, PlanConfig(method="lora", gc=True, batch=1, seq=1))
+    assert lora_gc.flops_per_token - lora.flops_per_token == pytest.approx(layers + attn + adapters)
+    full_gc = plan(cfg, PlanConfig(method="full", gc=True, batch=1, seq=1))
+    assert full_gc.flops_per_token - full.flops_per_token == pytest.approx(layers + attn) and head > 0
+
+
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3.2-3b"])
+def test_bf16_lora_on_ours_torch_keeps_positive_activations(shape):
+    """ours-torch's constants were fitted on float32 rows: nothing of autocast's frozen-weight
+    copies is in them to take off (taken off, a weight-sized amount left bf16 LoRA's activations
+    and peak below zero)."""
+    for gc in (False, True):
+        bf16 = plan(PRESETS[shape], PlanConfig(precision="bf16", gc=gc))
+        fp32 = plan(PRESETS[shape], PlanConfig(gc=gc))
+        assert 0 < bf16.activations < fp32.activations and 0 < bf16.peak < fp32.peak
+
+
+def test_targets_named_twice_count_once():
+    once, twice = (plan(TINY, PlanConfig(targets=t)) for t in (("q_proj",), ("q_proj", "q_proj")))
+    assert twice.trainable == once.trainable and twice.peak == once.peak
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -359,13 +384,18 @@ def test_cli_defaults_per_family_and_refusals(capsys):
     assert f"{'per-rank peak':24s} {want.peak:10.1f} MB" in capsys.readouterr().out
     for argv, words in ((["--method", "full", "--targets", "q_proj"], "--method full trains every weight"),
                         (["--method", "full", "--r", "4"], "--method full trains every weight"),
-                        (["--overhead-mb", "-100"], "--overhead-mb must be >= 0, got -100.0")):
+                        (["--overhead-mb", "-100"], "--overhead-mb must be a number >= 0, got -100.0"),
+                        (["--overhead-mb", "nan"], "--overhead-mb must be a number >= 0, got nan"),
+                        (["--overhead-mb", "inf"], "--overhead-mb must be a number >= 0, got inf")):
         with pytest.raises(SystemExit) as e:
             main(["--model", "llama-bench", *argv])
         assert e.value.code == 2 and words in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "micro-batch (rows per rank) (default: 2)" in " ".join(capsys.readouterr().out.split())
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "micro-batch (rows per rank) (default: 2)" in helptext
+    for default in ("(default: lora)", "(default: fp32)", "(default: ours-torch)"):
+        assert default in helptext
     with pytest.raises(SystemExit):
         main(["--model", str(ROOT / "docs")])
     assert "docs: a folder without a config.json" in capsys.readouterr().err

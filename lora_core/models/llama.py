@@ -37,6 +37,19 @@ NON_PARAMETER_SUFFIXES = ("rotary_emb.inv_freq",)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+# What transformers (5.24) takes for a field a config.json leaves out, per model type (its config
+# classes' defaults, which differ between the three)
+HF_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                    sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=4096),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """A Llama-family architecture (transformers' config field names).
@@ -128,16 +141,19 @@ class LlamaConfig:
         scaling = None
         if rope_type == "llama3":
             scaling = {k: rope[k] for k in _LLAMA3_KEYS if k in rope}
+        d = {**HF_DEFAULTS[mt], **d}
         window = None
         if mt == "mistral":
             window = d.get("sliding_window")
         elif mt == "qwen2" and (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])):
             window = d.get("sliding_window")
-        attention_bias = bool(d.get("attention_bias", False))
+        # transformers' Mistral has no biases, its Qwen2 q, k and v biases only: their fields are
+        # Llama's alone (``attention_bias`` on q, k, v, o; ``mlp_bias``)
+        attention_bias = mt == "llama" and bool(d.get("attention_bias", False))
         fields = dict(
             model_type=mt, rope_theta=float(theta), rope_scaling=scaling, sliding_window=window,
-            qkv_bias=True if mt == "qwen2" else attention_bias, o_bias=attention_bias if mt == "llama" else False,
-            mlp_bias=bool(d.get("mlp_bias", False)), head_dim=d.get("head_dim") or 0,
+            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
+            mlp_bias=mt == "llama" and bool(d.get("mlp_bias", False)), head_dim=d.get("head_dim") or 0,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         )
         for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -145,7 +161,7 @@ class LlamaConfig:
                   "pad_token_id"):
             if k in d:
                 fields[k] = d[k]
-        fields["num_key_value_heads"] = d.get("num_key_value_heads") or d["num_attention_heads"]
+        fields["num_key_value_heads"] = d.get("num_key_value_heads") or fields["num_attention_heads"]
         return cls(**fields)
 
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from ..models.gpt2 import GPT2Config
@@ -41,19 +42,20 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-plan", description="Predict a fine-tuning run's per-rank peak memory.",
                                 formatter_class=_Defaults)
     p.add_argument("--model", required=True, help="config.json (or its folder) or a preset name")
-    p.add_argument("--method", default="lora", choices=METHODS)
+    p.add_argument("--method", default="lora", choices=METHODS, help="what trains")
     p.add_argument("--targets", default=None,
                    help="comma-separated adapted projections of LoRA and QLoRA (None: "
                         f"{','.join(DEFAULT_TARGETS['llama'])} for the Llama family, {','.join(DEFAULT_TARGETS['gpt2'])} "
                         "for GPT-2)")
     p.add_argument("--r", type=int, default=None, help=f"LoRA rank (None: {DEFAULT_R})")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="activations' (and frozen weights') precision")
     p.add_argument("--gc", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--zero", type=int, default=0, help=f"ZeRO stage, one of {STAGES}")
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--batch", type=int, default=2, help="micro-batch (rows per rank)")
     p.add_argument("--seq", type=int, default=256, help="tokens per row")
-    p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS))
+    p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS),
+                   help="what runs it (ours-torch, ours-jittor, hf-peft: the CPU; *-cuda, gpu: a GPU)")
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
                    help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline (MB)")
@@ -71,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.method == "full" and (args.targets is not None or args.r is not None):
         p.error("--targets and --r choose LoRA's adapters; --method full trains every weight (leave them out)")
-    if args.overhead_mb is not None and args.overhead_mb < 0:
-        p.error(f"--overhead-mb must be >= 0, got {args.overhead_mb}")
+    if args.overhead_mb is not None and not (math.isfinite(args.overhead_mb) and args.overhead_mb >= 0):
+        p.error(f"--overhead-mb must be a number >= 0, got {args.overhead_mb}")
     try:
         cfg, name = resolve_model(args.model)
         family = "gpt2" if isinstance(cfg, GPT2Config) else "llama"
-        targets = DEFAULT_TARGETS[family] if args.targets is None else tuple(t for t in args.targets.split(",") if t)
+        targets = DEFAULT_TARGETS[family] if args.targets is None else tuple(dict.fromkeys(t for t in args.targets.split(",") if t))
         c = PlanConfig(method=args.method, targets=targets, r=DEFAULT_R if args.r is None else args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
                        seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim,

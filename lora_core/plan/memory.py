@@ -210,8 +210,9 @@ SYSTEMS: dict[str, System] = {
                          # the six shapes' rows at 98c5579/dd3853f, 954ff8f, fb02de2 and 5d35d43 (docs/planning.md)
                          tcmalloc={"base_mb": 152.0, "load_mb": 76.0, "act_scale": 0.782, "heap": 0.127, "heap_layers": 0.0,
                                    "full_heap": 0.0},
+                         # fitted on float32 rows alone: no bf16 copy of a frozen weight in the fit to take off
                          autocast=True, gc_frozen_mlp=True, head_pieces=True, frozen_casts_kept=False,
-                         fsdp2_root_copies=1, note="PyTorch CPU, backends.torch"),
+                         casts_in_fit=False, fsdp2_root_copies=1, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi",
@@ -301,6 +302,7 @@ class PlanConfig:
     head_pieces: str = HEAD_PIECE_RULE
 
     def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(dict.fromkeys(self.targets)))  # a set, in order (as peft's)
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
         if self.precision not in PRECISIONS:
@@ -605,7 +607,7 @@ def flops_per_token(cfg, a: Arch, c: PlanConfig, total: int, trainable: int) -> 
     """Training FLOPs per token: forward 2 per weight multiply-add (M) plus attention (A);
     the backward's input gradients another M + A, and weight gradients M only for trained
     weights (so full FT ~ 6N, LoRA ~ 4N: frozen weights get no weight gradient); GC adds
-    one forward (2N) more."""
+    the layers' forward (~2N, the LM head not) more."""
     M = 2 * sum(i * o for i, o in a.proj.values()) * a.layers + 2 * a.vocab * a.hidden
     A = a.layers * 2 * 2 * a.q * (c.seq + 1) / 2  # QK^T and AV, causal
     if c.method == "full":
@@ -616,8 +618,9 @@ def flops_per_token(cfg, a: Arch, c: PlanConfig, total: int, trainable: int) -> 
             2 * M + 3 * A + 3 * L,
             "LoRA: 2 x (2 N_matmul) + 3 x attention + 3 x LoRA ~ 4N (no frozen weight gradients)",
         )
-    if c.gc:
-        f, how = f + M + A, how + "; GC: + one forward (2N) recomputed"
+    if c.gc:  # each layer's forward again (the LM head is not in a checkpointed layer)
+        f += M - 2 * a.vocab * a.hidden + A + (0 if c.method == "full" else L)
+        how += "; GC: + the layers' forward (~2N) recomputed"
     return float(f), how
 
 
