@@ -15,30 +15,41 @@ from lora_core.quant.qlora import module_of
 from ._lean_layers import frozen_matmul_t
 from .lora import LoRALinear, LoRAMergedLinear
 
+# ``{scale}``: the block's scale ``s`` (double quantization: ``dyn[code] * nested + offset``,
+# a float32 product not fused with the sum; else the float32 absmax); ``{bf16}``: the weight rounded
+# to bfloat16 (round to nearest even, NaN kept: torch's and bitsandbytes' conversion) in float32
 _SRC = """
-    const long n = out0_shape0 * out0_shape1, bs = {bs}, nbs = {nbs}, nested = {nested};
+    const long n = out0_shape0 * out0_shape1, bs = {bs};
     for (long i = 0; i < n; i++) {{
         const long b = i / bs;
         float s;
-        if (nested) {{
-            volatile float prod = in3_p[in1_p[b]] * in2_p[b / nbs];  // no fused multiply-add
-            s = prod + in2_p[in2_shape0 - 1];
-        }} else {{
-            s = in2_p[b];
-        }}
+        {scale}
         const unsigned char byte = in0_p[i >> 1];
         const int c = (i & 1) ? (byte & 15) : (byte >> 4);
-        out0_p[i] = in4_p[c] * s;
+        float w = in4_p[c] * s;
+        if ({bf16}) {{
+            unsigned int u;
+            std::memcpy(&u, &w, 4);
+            u = (w != w) ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+            std::memcpy(&w, &u, 4);
+        }}
+        out0_p[i] = w;
     }}
 """
+_NESTED_SCALE = """{{
+            volatile float prod = in3_p[in1_p[b]] * in2_p[b / {nbs}];  // no fused multiply-add
+            s = prod + in2_p[in2_shape0 - 1];
+        }}"""
+_PLAIN_SCALE = "s = in2_p[b];"
 
 
-def dequantize(layer) -> jt.Var:
-    """The float32 weight of ``layer``'s NF4 state (CPU kernel)."""
+def dequantize(layer, bf16: bool = False) -> jt.Var:
+    """The float32 weight of ``layer``'s NF4 state (CPU kernel); ``bf16``: rounded to bfloat16."""
     packed, absmax, nested_off = layer._nf4
-    nested = layer.nested
+    scale = _NESTED_SCALE.format(nbs=layer.nested_blocksize) if layer.nested else _PLAIN_SCALE
     return jt.code(layer.shape, "float32", [packed, absmax, nested_off, jt.array(dynamic_map()), jt.array(NF4_CODE)],
-                   cpu_src=_SRC.format(bs=layer.blocksize, nbs=layer.nested_blocksize, nested=int(nested)))
+                   cpu_header="#include <cstring>",
+                   cpu_src=_SRC.format(bs=layer.blocksize, scale=scale, bf16=int(bf16)))
 
 
 class LoRALinear4bit(LoRALinear):
@@ -68,8 +79,9 @@ class LoRALinear4bit(LoRALinear):
         return self.dequantized()
 
     def dequantized(self) -> jt.Var:
-        w = dequantize(self).stop_grad()
-        return w if self.compute_dtype == "float32" else w.cast("bfloat16").cast("float32")
+        """The weight in float32, rounded to the compute dtype on the way (bfloat16: to nearest
+        even in the kernel, as torch converts; jittor's own cast truncates)."""
+        return dequantize(self, bf16=self.compute_dtype == "bfloat16").stop_grad()
 
     def add_lora(self, r: int, scaling: float, dropout: float, values, enable=None) -> None:
         """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer; ``enable``: one

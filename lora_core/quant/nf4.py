@@ -254,7 +254,8 @@ def quantize_blockwise(x: np.ndarray, code: np.ndarray, blocksize: int = NESTED_
     nb = -(-n // blocksize)
     pad = np.zeros(nb * blocksize, np.float32)
     pad[:n] = x
-    absmax = np.abs(pad.reshape(nb, blocksize)).max(axis=1).astype(np.float32)
+    # bitsandbytes' C loop keeps the larger of the running max and |x|, so a NaN never wins (fmax)
+    absmax = np.fmax.reduce(np.abs(pad.reshape(nb, blocksize)), axis=1, initial=0).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         inv = (np.float32(1) / absmax).astype(np.float32)
         normed = np.clip((x * np.repeat(inv, blocksize)[:n]).astype(np.float32), -1, 1)
