@@ -198,3 +198,15 @@ def test_quant_workers_setting(monkeypatch):
             nf4.quant_workers()
     monkeypatch.delenv(nf4.WORKERS_ENV)
     assert 1 <= nf4.quant_workers() <= nf4.MAX_WORKERS
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_non_finite_weight_gives_bitsandbytes_state(bad):
+    """A weight holding inf or NaN: the codes, the block scales' codes and the second-level scale
+    (bitsandbytes' loop keeps the larger of max and |x|, so a NaN never wins: fmax) as bitsandbytes'."""
+    w = (np.random.default_rng(1).standard_normal((4, 64)) * 0.02).astype(np.float32)
+    w[2, 7] = bad
+    t, q, st = _bnb(w, 64, None)
+    s = nf4.quantize_nf4(w, 64)
+    assert np.array_equal(s.packed, q.numpy()) and np.array_equal(s.absmax, st.absmax.numpy())
+    assert np.array_equal(_bits(s.nested_absmax), _bits(st.state2.absmax)) and _bits(s.offset) == _bits(st.offset)

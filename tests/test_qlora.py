@@ -301,3 +301,70 @@ def _tensor(bk, x):
     import jittor as jt
 
     return jt.array(x)
+
+
+def _bnb_layer(bias: bool):
+    """bitsandbytes' ``Linear4bit`` (NF4, double quantization, bfloat16 compute) and our torch
+    layer on its state."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    lin = bnb.nn.Linear4bit(64, 96, bias=bias, compute_dtype=torch.bfloat16, quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit(torch.randn(96, 64), requires_grad=False, quant_type="nf4", compress_statistics=True)
+    lin = lin.to("cpu")
+    if bias:
+        with torch.no_grad():
+            lin.bias.copy_(torch.randn(96))
+    st = lin.weight.quant_state
+    state = nf4.NF4State(lin.weight.data.numpy(), st.absmax.numpy(), (96, 64), 64, "float32", st.state2.absmax.numpy(),
+                         np.float32(st.offset.item()))  # fmt: skip
+    return lin, state
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_compute_is_bitsandbytes_product(bias):
+    """``compute_dtype="bfloat16"``: input, weight and bias in bfloat16, one product, the result
+    back in float32 (bitsandbytes' ``Linear4bit``): output and gradients bit for bit; jittor's
+    float32 emulation of it gives the same numbers here (an element may round to the next
+    bfloat16 value where torch's bfloat16 GEMM sums in another order)."""
+    from backends.torch.quant import LoRALinear4bit
+
+    lin, state = _bnb_layer(bias)
+    ours = LoRALinear4bit(state, torch.nn.Parameter(lin.bias.detach().clone()) if bias else None, "bfloat16")
+    x = torch.randn(5, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = lin(x1), ours(x2)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(g)
+    assert torch.equal(a, b) and torch.equal(x1.grad, x2.grad)
+    assert not bias or torch.equal(lin.bias.grad, ours.bias.grad)
+    import lora_core as lc
+
+    lc.get_backend("jittor")
+    import jittor as jt
+
+    from backends.jittor.quant import LoRALinear4bit as J4
+
+    j = J4(state, jt.array(ours.bias.detach().numpy()) if bias else None, "bfloat16")  # (bitsandbytes' now bf16)
+    xj = jt.array(x.numpy())
+    yj = j(xj)
+    grads = jt.grad((yj * jt.array(g.numpy())).sum(), [xj] + ([j.bias] if bias else []))
+    assert np.array_equal(yj.numpy(), b.detach().numpy()) and np.array_equal(grads[0].numpy(), x2.grad.numpy())
+    assert not bias or np.array_equal(grads[1].numpy(), ours.bias.grad.numpy())
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_jittor_dequantizes_with_and_without_double_quant(double_quant):
+    """Jittor's kernel with float32 block scales (no double quantization: its nested branch once
+    failed to compile) and with bfloat16 compute (rounded to nearest even, as torch converts)."""
+    import lora_core as lc
+
+    lc.get_backend("jittor")
+    from backends.jittor.quant import LoRALinear4bit as J4
+
+    w = np.random.default_rng(2).standard_normal((8, 192)).astype(np.float32)
+    st = nf4.quantize_nf4(w, 64, double_quant=double_quant)
+    assert np.array_equal(J4(st).dequantized().numpy(), nf4.dequantize_nf4(st))
+    want = torch.from_numpy(nf4.dequantize_nf4(st)).bfloat16().float().numpy()
+    assert np.array_equal(J4(st, compute_dtype="bfloat16").dequantized().numpy(), want)

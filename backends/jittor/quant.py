@@ -13,7 +13,7 @@ from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
 from lora_core.quant.qlora import module_of
 
 from ._lean_layers import frozen_matmul_t
-from .lora import LoRALinear, LoRAMergedLinear
+from .lora import LoRALinear, LoRAMergedLinear, linear_decode
 
 # ``{scale}``: the block's scale ``s`` (double quantization: ``dyn[code] * nested + offset``,
 # a float32 product not fused with the sum; else the float32 absmax); ``{bf16}``: the weight rounded
@@ -50,6 +50,44 @@ def dequantize(layer, bf16: bool = False) -> jt.Var:
     return jt.code(layer.shape, "float32", [packed, absmax, nested_off, jt.array(dynamic_map()), jt.array(NF4_CODE)],
                    cpu_header="#include <cstring>",
                    cpu_src=_SRC.format(bs=layer.blocksize, scale=scale, bf16=int(bf16)))
+
+
+_ROUND_BF16_SRC = """
+    for (long i = 0; i < in0_shape0; i++) {
+        float v = in0_p[i];
+        unsigned int u;
+        std::memcpy(&u, &v, 4);
+        u = (v != v) ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+        std::memcpy(&v, &u, 4);
+        out0_p[i] = v;
+    }
+"""
+
+
+def round_bf16(x: jt.Var) -> jt.Var:
+    """``x`` (float32) rounded to bfloat16 values, to nearest even (torch's conversion), kept in float32."""
+    flat = jt.code((x.numel(),), "float32", [x.reshape(-1)], cpu_header="#include <cstring>", cpu_src=_ROUND_BF16_SRC)
+    return flat.reshape(x.shape)
+
+
+class _Bf16Product(jt.Function):
+    """bitsandbytes' ``Linear4bit`` with a bfloat16 compute dtype, in float32 arithmetic: the input
+    and bias rounded to bfloat16, one product with the (bfloat16-valued) weight, the result rounded
+    to bfloat16; the backward as torch's for it: the gradient rounded, ``g W`` rounded, the bias
+    gradient the rounded gradient's sum, rounded. Products of bfloat16 values are exact in float32;
+    the sums run in another order than torch's bfloat16 GEMM, so an element can round to the next
+    bfloat16 value (2^-8 relative) where torch's lands on the other side of a midpoint."""
+
+    def execute(self, x, w, bias=None):
+        self.w, self.has_bias = w, bias is not None
+        y = nn.matmul_transpose(round_bf16(x), w)
+        return round_bf16(y + round_bf16(bias) if bias is not None else y)
+
+    def grad(self, g):
+        g = round_bf16(g)
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = round_bf16(nn.matmul(g2, self.w)).reshape(g.shape[:-1] + (self.w.shape[1],))
+        return (gx, None, round_bf16(g2.sum(0))) if self.has_bias else (gx, None)
 
 
 class LoRALinear4bit(LoRALinear):
@@ -107,9 +145,15 @@ class LoRALinear4bit(LoRALinear):
         return jt.matmul(g, self.dequantized())
 
     def execute(self, x: jt.Var) -> jt.Var:
-        y = frozen_matmul_t(x, self.dequantized())
-        if self.bias is not None:
-            y = y + self.bias
+        if self.decode_weight is not None:  # inside model.decoding(): the weight unpacked once, LoRA merged
+            return linear_decode(x, self.decode_weight, self.bias)
+        if self.compute_dtype == "bfloat16":  # bitsandbytes' bfloat16 product (_Bf16Product)
+            w = self.dequantized()
+            y = _Bf16Product.apply(x, w, self.bias) if self.bias is not None else _Bf16Product.apply(x, w)
+        else:
+            y = frozen_matmul_t(x, self.dequantized())
+            if self.bias is not None:
+                y = y + self.bias
         if self.r:
             y = self._lora_out(x, y)
         return y

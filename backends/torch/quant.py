@@ -17,7 +17,7 @@ from torch import nn
 from lora_core.quant.nf4 import NF4_CODE, NF4State, dynamic_map
 from lora_core.quant.qlora import module_of
 
-from .lora import LoRALinear, LoRAMergedLinear
+from .lora import LoRALinear, LoRAMergedLinear, linear_decode
 
 _NF4 = torch.from_numpy(NF4_CODE)
 _DYN = torch.from_numpy(dynamic_map())
@@ -299,9 +299,18 @@ class LoRALinear4bit(LoRALinear):
         return _input_grad(self, g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Matmul4bit.apply(x, self)
-        if self.bias is not None:
-            y = y + self.bias
+        if self.decode_weight is not None:  # inside model.decoding(): the weight unpacked once, LoRA merged
+            return linear_decode(x, self.decode_weight, self.bias)
+        cd = self.compute_dtype
+        if cd != torch.float32 and _product_dtype(x) == torch.float32:
+            # bitsandbytes' Linear4bit: input, weight and bias in the compute dtype, one product, the
+            # result back in the input's dtype (LoRA stays in the input's, as peft adds it)
+            bias = None if self.bias is None else self.bias.to(cd)
+            y = F.linear(x.to(cd), self.dequantized(cd), bias).to(x.dtype)
+        else:
+            y = _Matmul4bit.apply(x, self)
+            if self.bias is not None:
+                y = y + self.bias
         if self.r:
             y = self._lora_out(x, y)
         return y

@@ -40,6 +40,13 @@ def _merged_is_a_copy(m) -> bool:
     return bool(getattr(m, "is_4bit", False) or (getattr(m, "r", 0) and not getattr(m, "merged", False)))
 
 
+def _products_in_float32(m) -> bool:
+    """Whether ``m``'s products run in float32 (a 4-bit layer with a bfloat16 compute dtype runs
+    bitsandbytes' bfloat16 product: decoding leaves it to its own forward, so that decoding
+    computes what the model's forward does)."""
+    return getattr(m, "compute_dtype_name", "float32") == "float32"
+
+
 @contextmanager
 def decoding_weights(model, pack, no_grad, rows: int, concat=None):
     """The backends' ``model.decoding()``: inside the block every linear layer (a module with
@@ -54,7 +61,7 @@ def decoding_weights(model, pack, no_grad, rows: int, concat=None):
     a 4-bit weight unpacked) gets one packed weight of the rows stacked,
     ``owner.decode_fused = (packed, bias or None)``, and its layers none: one product instead
     of several (a frozen group keeps its own weights: stacking them would copy them)."""
-    linears = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    linears = [m for m in model.modules() if hasattr(m, "decode_weight") and _products_in_float32(m)]
     groups = model.decode_groups() if concat is not None and hasattr(model, "decode_groups") else []
     fused = []
     try:
@@ -63,7 +70,8 @@ def decoding_weights(model, pack, no_grad, rows: int, concat=None):
             for owner, members in groups:
                 biases = [m.bias for m in members]
                 with_bias = sum(b is not None for b in biases)
-                if not any(map(_merged_is_a_copy, members)) or 0 < with_bias < len(members):
+                if (not any(map(_merged_is_a_copy, members)) or 0 < with_bias < len(members)
+                        or not all(map(_products_in_float32, members))):
                     continue
                 bias = concat(biases) if with_bias else None
                 owner.decode_fused = (pack(concat([m.merged_weight() for m in members]), rows), bias)
