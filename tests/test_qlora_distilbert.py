@@ -206,8 +206,9 @@ def test_refusals(ckpt):
     d, d4, _ = ckpt
     with pytest.raises(ValueError, match="only 'nf4'"):
         bk.distilbert_from_pretrained(d, quantize="fp4")
-    with pytest.raises(ValueError, match="is loaded as it is"):
-        bk.distilbert_from_pretrained(d4, quantize="nf4", double_quant=False)
+    for kw in (dict(quantize="nf4", double_quant=False), dict(double_quant=False), dict(blocksize=128)):
+        with pytest.raises(ValueError, match="is loaded as it is"):  # options it contradicts, with quantize or not
+            bk.distilbert_from_pretrained(d4, **kw)
     with pytest.raises(ValueError, match=r"distilbert_from_pretrained\(path, quantize='nf4'\)"):
         bk.from_pretrained(d, quantize="nf4")
 

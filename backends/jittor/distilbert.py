@@ -193,7 +193,7 @@ def distilbert_from_pretrained(
 
         from .quant import empty_model, to_4bit
 
-        explicit = q4.check_4bit_request(path, None, quantize)
+        explicit = q4.check_4bit_request(path, None, quantize, double_quant, blocksize)
         return build_4bit_classifier(DistilBertForSequenceClassification, empty_model, to_4bit, load_lora_adapter, path,
                                      adapter, num_labels, head_seed, quantize, double_quant, compute_dtype, blocksize,
                                      explicit)

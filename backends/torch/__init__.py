@@ -52,7 +52,7 @@ def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quant
     if _quant4.wants_4bit(path, quantize, double_quant, compute_dtype, blocksize):
         from .quant import from_pretrained_4bit
 
-        explicit = _quant4.check_4bit_request(path, lora, quantize)
+        explicit = _quant4.check_4bit_request(path, lora, quantize, double_quant, blocksize)
         return from_pretrained_4bit(path, adapter, quantize, double_quant, compute_dtype, blocksize, explicit)
     other = _build.pretrained_for_family(path, lora, adapter, {"llama": llama_from_pretrained})
     if other is not None:

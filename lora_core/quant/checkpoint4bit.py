@@ -215,16 +215,19 @@ def wants_4bit(path, quantize, double_quant: bool, compute_dtype: str, blocksize
     return path is not None and quantization_config(path) is not None
 
 
-def check_4bit_request(path, lora, quantize) -> bool:
+def check_4bit_request(path, lora, quantize, double_quant: bool = True, blocksize: int = 64) -> bool:
     """Refuse what a 4-bit load cannot take (GPT-2's ``lora=``; 4-bit options without
-    ``quantize`` on a full-precision checkpoint); returns ``explicit``: quantize was given."""
+    ``quantize`` on a full-precision checkpoint); returns ``explicit``: quantize or a storage
+    option other than the default was given (a pre-quantized checkpoint must then match it: its
+    codes are loaded as they are). The compute dtype is the caller's (default float32), not the
+    checkpoint's ``bnb_4bit_compute_dtype``."""
     from ..formats.bnb4bit import quantization_config
 
     if lora is not None:
         raise ValueError(f"{path}: a 4-bit base takes LoRA from inject_lora or an adapter folder, not lora=")
     if quantize is None and not (path is not None and quantization_config(path) is not None):
         raise ValueError("double_quant / compute_dtype / blocksize apply to quantize='nf4' only")
-    return quantize is not None
+    return quantize is not None or not double_quant or blocksize != 64
 
 
 __all__ = ["assemble_4bit_model", "build_4bit_model", "check_4bit_request", "check_4bit_shapes", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint",
