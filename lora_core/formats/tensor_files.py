@@ -202,9 +202,9 @@ def _room_for_maps(count: int) -> bool:
         return True
     if hard != resource.RLIM_INFINITY and need > hard:
         return False
+    target = 2 * need if hard == resource.RLIM_INFINITY else min(2 * need, hard)  # room for the next shards too
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(need, min(2 * need, hard)) if hard != resource.RLIM_INFINITY
-                                                    else 2 * need, hard))  # fmt: skip
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError):
         return False
     return True
