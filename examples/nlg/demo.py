@@ -1,7 +1,7 @@
 """The embedded demo: both backends, train -> beam -> decode -> evaluate, with a parity report.
 
     bash scripts/lora.sh demo                       # toy data made here, no download
-    bash scripts/lora.sh demo --data-dir ../shared/data   # real E2E (needs e2e/ and gpt2-vocab/)
+    bash scripts/lora.sh demo --data-dir ../shared/data   # real E2E (needs e2e/; a 1,024-token BPE trained on it)
 
 Steps (output folder ``--out``, default ``runs/demo``):
 1. Data: the toy restaurant set (``lora_core.data.toy``: E2E format, its own byte-level BPE) or
@@ -202,7 +202,7 @@ def write_samples(out: Path, groups, runs: dict, tok, n: int = 5) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.nlg.demo", description=doc_summary(__doc__))
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--data-dir", type=Path, help="real data (e2e/*.txt, gpt2-vocab/); default: the toy set")
+    p.add_argument("--data-dir", type=Path, help="real data (e2e/*.txt; the demo trains its own 1,024-token BPE on it); default: the toy set")
     p.add_argument("--backends", default="torch,jittor")
     p.add_argument("--pretrain-steps", type=int, default=500)
     p.add_argument("--steps", type=int, default=300, help="LoRA training steps per backend")
