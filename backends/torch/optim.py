@@ -71,7 +71,12 @@ class AdamW:
             return True
         if self._finite is None:
             grads = [p.grad for p in self.params.values() if p.grad is not None]
-            self._finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+            device = next(iter(self.params.values())).device  # NCCL reduces device tensors
+            finite = torch.tensor([all(bool(torch.isfinite(_local(g)).all()) for g in grads)], dtype=torch.int32,
+                                  device=device)  # fmt: skip
+            if any(isinstance(p, DTensor) for p in self.params.values()):  # ZeRO: each rank sees its shard
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one decision for every rank
+            self._finite = bool(finite.item())
             for g in grads:
                 g.mul_(1.0 / self.loss_scale.scale)
         return self._finite

@@ -221,12 +221,16 @@ class ShardedDropout(NumpyDropout):
 
 
 def code_version(backend_name: str) -> str:
-    """sha256 over the source files that define a run (``lora_core``, the backend, the examples)."""
-    root = Path(__file__).resolve().parents[1]
+    """sha256 over the source files that define a run: ``lora_core`` (every subpackage), the
+    backend and the example commands, each named by its path in the repository."""
+    root = Path(__file__).resolve().parents[2]  # lora_core/train/distributed.py -> the repository
     h = hashlib.sha256()
-    for folder in (root / "lora_core", root / "backends" / backend_name, root / "examples" / "nlg"):
-        for f in sorted(folder.glob("*.py")):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    files = [f for folder in (root / "lora_core", root / "backends" / backend_name, root / "examples")
+             for f in sorted(folder.rglob("*.py"))]  # fmt: skip
+    if not files:
+        raise RuntimeError(f"code_version: no source files under {root}")
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
