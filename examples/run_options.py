@@ -130,10 +130,27 @@ def quantize_kwargs(args: argparse.Namespace) -> dict:
             "compute_dtype": args.compute_dtype or "float32"}
 
 
-def with_quantize_note(note: str, args: argparse.Namespace) -> str:
-    """``note`` of the base weights plus its 4-bit settings (``quantize=nf4 double_quant=True
-    compute_dtype=float32``): a resume with other settings differs in the run's ``base`` and is refused."""
-    extra = " ".join(f"{k}={v}" for k, v in quantize_kwargs(args).items())
+def loaded_quant(base, quant: dict) -> dict:
+    """The 4-bit settings of ``base`` as it loads: ``quant`` (``quantize_kwargs``) where given, else
+    a published bitsandbytes 4-bit checkpoint's own (it loads 4-bit without the options: NF4, its
+    double quantization, the default compute dtype), else none (a full-precision base)."""
+    if quant or base is None:
+        return dict(quant)
+    from lora_core.formats.bnb4bit import quantization_config
+
+    qc = quantization_config(base)
+    if qc is None:
+        return {}
+    return {"quantize": "nf4", "double_quant": bool(qc.get("bnb_4bit_use_double_quant", False)),
+            "compute_dtype": "float32"}
+
+
+def with_quantize_note(note: str, args: argparse.Namespace, base=None) -> str:
+    """``note`` of the base weights plus the 4-bit settings it loads with (``quantize=nf4
+    double_quant=True compute_dtype=float32``; ``base``: its folder, which may be a bitsandbytes
+    4-bit checkpoint: ``loaded_quant``): a resume with other settings differs in the run's
+    ``base`` and is refused, and an evaluation on another base warns (``base_mismatch``)."""
+    extra = " ".join(f"{k}={v}" for k, v in loaded_quant(base, quantize_kwargs(args)).items())
     return f"{note} {extra}" if extra else note
 
 
@@ -174,12 +191,12 @@ def resolve_base_adapter(base: Path, adapter: Path | None, quant: dict, warn: bo
     adapter was trained on another base than ``quant`` loads, :func:`base_mismatch`'s warning goes
     to stderr (``warn``: False on all but one process of a job)."""
     base, adapter = checkpoint_of(base), None if adapter is None else checkpoint_of(adapter)
-    warning = base_mismatch(adapter, quant)
+    warning = base_mismatch(adapter, loaded_quant(base, quant))
     if warning and warn:
         print(warning, file=sys.stderr)
     return base, adapter
 
 
 __all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
-           "quantize_kwargs", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive",
+           "quantize_kwargs", "loaded_quant", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive",
            "resolve_base_adapter"]

@@ -114,3 +114,25 @@ def test_an_adapter_on_another_base_than_it_trained_on_is_warned_of(tmp_path):
     (tmp_path / "hub" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "meta-llama/x"}))
     assert base_mismatch(tmp_path / "hub", q) is None and base_mismatch(None, q) is None
     assert base_mismatch(tmp_path / "none", q) is None
+
+
+def test_a_published_4bit_checkpoint_is_a_4bit_base_with_or_without_the_options(tmp_path):
+    """A bitsandbytes 4-bit checkpoint loads 4-bit without ``--quantize``: the base note and the
+    comparison take its own settings, so an adapter trained on it warns on its float32 original
+    and not on it, given the options or not."""
+    from examples.run_options import loaded_quant
+
+    q4 = tmp_path / "q4"
+    q4.mkdir()
+    (q4 / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": False}}))  # fmt: skip
+    want = {"quantize": "nf4", "double_quant": False, "compute_dtype": "float32"}
+    assert loaded_quant(q4, {}) == want and loaded_quant(tmp_path / "float", {}) == {}
+    assert loaded_quant(None, {}) == {} and loaded_quant(q4, dict(want, compute_dtype="bfloat16"))["compute_dtype"] == "bfloat16"
+    note = " ".join([str(q4), *(f"{k}={v}" for k, v in loaded_quant(q4, {}).items())])
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"lora_core_format": 1, "base": note}))
+    assert base_mismatch(tmp_path / "adapter", loaded_quant(q4, {})) is None
+    assert base_mismatch(tmp_path / "adapter", loaded_quant(q4, want)) is None
+    assert "loaded on a full-precision base" in base_mismatch(tmp_path / "adapter", loaded_quant(tmp_path / "float", {}))

@@ -87,7 +87,8 @@ def build(backend, args, comm):
     """The base model (4-bit with ``--quantize``) and a note of where it came from."""
     quant = quantize_kwargs(args)
     if args.init_checkpoint:
-        return backend.from_pretrained(args.init_checkpoint, **quant), with_quantize_note(str(args.init_checkpoint), args)
+        note = with_quantize_note(str(args.init_checkpoint), args, args.init_checkpoint)
+        return backend.from_pretrained(args.init_checkpoint, **quant), note
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     base_dir = Path(args.out_dir) / "base"
     if args.random_init in llama_spec.PRESETS:

@@ -76,7 +76,7 @@ def build(backend, args, lora, comm):
             backend.build_model(cfg, lora, base=base)
     if quant and lora is not None:  # a 4-bit base takes LoRA by injection (the same q, v slices of c_attn)
         backend.inject_lora(model, lora)
-    return model, with_quantize_note(note, args)
+    return model, with_quantize_note(note, args, args.init_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
