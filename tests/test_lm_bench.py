@@ -104,6 +104,35 @@ def test_gpt2_flops_per_token():
         assert planned == pytest.approx(method_flops(f, method), rel=1e-12), method
 
 
+def test_decoding_floor_reads_the_head_once_and_no_lookup_table():
+    """A decoding step reads every projection and the LM head once; the token (and GPT-2's
+    position) embeddings are lookups of a few rows, not streamed: the floor's bytes."""
+    from examples.lm.bench_shapes import weight_bytes
+    from lora_core.models import gpt2, llama
+    from lora_core.models.gpt2 import PRESETS
+
+    for name in ("llama-bench", "llama-3.2-1b"):  # untied, tied
+        cfg = llama.llama_config(name)
+        layers = sum(int(np.prod(s)) for k, s in llama.base_shapes(cfg).items() if k.startswith("model.layers."))
+        head = cfg.vocab_size * cfg.hidden_size
+        assert weight_bytes(cfg) == 4 * (layers + cfg.hidden_size + head), name  # + the final norm
+    g = PRESETS["gpt2"]
+    blocks = sum(int(np.prod(s)) for k, s in gpt2.base_shapes(g).items() if k.startswith("h."))
+    assert weight_bytes(g) == 4 * (blocks + 2 * g.n_embd + g.vocab_size * g.n_embd)  # ln_f, the tied head
+
+
+def test_validation_reads_a_bench_file_with_a_failed_repeat(tmp_path):
+    """A repeat that failed records no allocator (nor a peak): the others' rows are read."""
+    from lora_core.plan.validate import bench_rows
+
+    src = ROOT / "docs" / "bench" / "lm_methods_llama-bench-torch-tcmalloc_98c5579.json"
+    d = json.loads(src.read_text())
+    key = next(k for k in d["raw"] if k.startswith("ours-torch"))
+    d["raw"][key].append({"train_error": "worker exited with 1", "train_wall_s": 1.0})
+    (tmp_path / src.name).write_text(json.dumps(d))
+    assert [r["measured"] for r in bench_rows([tmp_path / src.name])] == [r["measured"] for r in bench_rows([src])]
+
+
 def _bench(tmp_path, name: str, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "examples.lm.bench", "--shape", "tiny-llama", "--steps", "1", "--block", "16",

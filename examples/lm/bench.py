@@ -173,7 +173,7 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     world = discover_world()  # a ZeRO row's job: rank r trains on rows [r x batch, (r + 1) x batch) of each step
     b = spec["batch"]
     rows = token_rows(cfg.vocab_size, (n, world.size * b, spec["block"] + 1), SEED + 1)[:, world.rank * b : (world.rank + 1) * b]
-    baseline = mem.now()  # the framework imported, no model yet
+    baseline = mem.now()  # before the system: its libraries (imported by make_system) and model count above it
     method = spec.get("method", "lora")
     system = make_system(spec["system"], Path(spec["ckpt"]), Path(spec["lora_train"]), True, method, targets_of(cfg),
                          spec.get("hf_zero_engine") or "fsdp2")  # fmt: skip
@@ -323,7 +323,7 @@ def decode_floor(cfg, new_tokens: int, threads: int) -> dict:
     big.sum()
     best = min(_timed(big.sum) for _ in range(3))
     bandwidth = big.numel() * 4 / best
-    weights = weight_bytes(cfg)  # every weight, a tied head's embedding twice
+    weights = weight_bytes(cfg)  # every weight but the lookup tables, the head once
     steps = new_tokens  # the prompt's pass and new_tokens - 1 cached steps
     return {"read_gb_s": bandwidth / 1e9, "weight_mb": weights / 2**20, "steps": steps,
             "floor_s": steps * weights / bandwidth}  # fmt: skip
@@ -438,7 +438,8 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
     on = ",".join(t if is_gpt2(cfg) else t.removesuffix("_proj") for t in targets_of(cfg))
     lines = [f"shape {args.shape} ({describe(cfg)}); LoRA r {R} alpha {ALPHA:g} on {on}; "
              f"batch {args.batch} x block {args.block}; "
-             f"{args.steps} timed step(s) after 1 warm-up; {args.repeats} repeat(s); {args.threads} thread(s); "
+             f"{args.steps} timed step(s) after 1 warm-up{' (ours-torch compiled: 2)' if args.compile else ''}; "
+             f"{args.repeats} repeat(s); {args.threads} thread(s); "
              f"{'ours-torch compiled (' + args.compile + '); ' if args.compile else ''}greedy "
              f"{args.batch} x {args.new_tokens} new tokens after a {PROMPT_LEN}-token prompt",
              environment_line(env),
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--batch", type=int, default=2, help="rows per training batch (and prompts decoded together)")
     p.add_argument("--block", type=int, default=256, help="tokens per training row (packed, no padding)")
-    p.add_argument("--steps", type=int, default=5, help="timed training updates, after 1 warm-up")
+    p.add_argument("--steps", type=int, default=5, help="timed training updates, after 1 warm-up (2 for ours-torch with --compile)")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens decoded per prompt")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--threads", type=int, default=1, help="torch and OpenMP threads of every system and the GEMM peak")

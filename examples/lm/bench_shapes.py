@@ -76,14 +76,16 @@ def gemm_shapes(cfg) -> list[tuple[int, int]]:
 
 
 def weight_bytes(cfg) -> int:
-    """Bytes of float32 weights one decoding step reads: every parameter, and a tied LM head's
-    embedding a second time."""
-    if is_gpt2(cfg):
-        n = sum(_numel(s) for s in gpt2.base_shapes(cfg).values()) + cfg.vocab_size * cfg.n_embd  # tied head
-    else:
+    """Bytes of float32 weights one decoding step reads: every parameter but the lookup tables
+    (token and GPT-2's position embeddings: a step reads only its rows of them), and the LM head
+    once, tied or not. (Bench files written before 2026-11-28 counted the tables as read whole:
+    at llama-bench 407 MB against 375 MB now, gpt2 622 MB against 472 MB.)"""
+    if is_gpt2(cfg):  # wte and wpe are lookups; the tied head reads a (V, E) matrix
+        n = sum(_numel(s) for s in gpt2.base_shapes(cfg).values()) - cfg.n_positions * cfg.n_embd
+    else:  # embed_tokens is a lookup; the head (lm_head, or the tied embedding) a (V, E) matrix
         n = sum(_numel(s) for s in llama.base_shapes(cfg).values())
-        if cfg.tie_word_embeddings:
-            n += cfg.vocab_size * cfg.hidden_size  # the head reads the embedding again
+        if not cfg.tie_word_embeddings:
+            n -= cfg.vocab_size * cfg.hidden_size
     return 4 * n
 
 

@@ -239,7 +239,7 @@ def bench_rows(paths) -> list[dict]:
             # files of 4a04648-c2cfa46, when every Llama step trimmed: "on"); none before 4a04648
             trim = s.get("malloc_trim") or "off"
             # the malloc each run's worker ran under (lora_core.train.allocator), recorded since 98c5579
-            alloc = {r.get("allocator", "glibc") for r in runs}
+            alloc = {r.get("allocator", "glibc") for r in runs if r.get("train_peak_anon_mb") is not None}  # not a failed one
             if len(alloc) > 1:
                 raise ValueError(f"{path}: {key}: repeats under different allocators {sorted(alloc)}")
             out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
