@@ -12,7 +12,9 @@ peak, 323 MB of them (460, 3072) tensors and 239 MB (460, 768) ones; peak RSS of
 
 Here each is a ``jt.Function``: the forward pass is the same expression as before (the same
 operations in the same order: the same numbers for the layer alone; inside a model jittor may
-fuse across the new boundary differently, a rounding-level change), and the backward pass keeps the input
+fuse across the new boundary differently, a rounding-level change) except LayerNorm's variance,
+taken from the centred values as torch takes it (jittor's ``mean(x^2) - mean(x)^2`` cancels for
+rows with a large mean: since 2026-11-28), and the backward pass keeps the input
 (GELU), the input and two per-row statistics (LayerNorm) or the frozen weight (the product).
 On the CPU the GELU and LayerNorm gradients are one C++ loop over (input, incoming gradient):
 written as jittor expressions, the parts that do not depend on the incoming gradient (the
@@ -127,18 +129,25 @@ _LN_GRAD = """
 """
 
 
+def _layer_norm(x, weight, bias, eps):
+    """``(y, mean, std)`` over the last axis, the variance from the centred values (two passes, as
+    torch computes it): ``jittor.nn.LayerNorm``'s ``mean(x^2) - mean(x)^2`` cancels where a row's
+    mean is large against its spread (a row offset of 300 at unit spread: 2.5e-2 from torch; at
+    DistilBERT's eps 1e-12 a clamped zero variance)."""
+    xd = x.float64()  # the row statistics in double: a float32 mean of values near 300 is off by ~1e-5
+    xmean = jt.mean(xd, dims=[-1], keepdims=1)
+    xc = xd - xmean
+    std = jt.sqrt(jt.mean(xc * xc, dims=[-1], keepdims=1) + eps)
+    return (xc / std).float32() * weight + bias, xmean.float32(), std.float32()
+
+
 class _LayerNormFn(jt.Function):
-    """Over the last axis; ``jittor.nn.LayerNorm``'s forward expression."""
+    """Over the last axis (``_layer_norm``), keeping the input and two row statistics."""
 
     def execute(self, x, weight, bias, eps):
-        xmean = jt.mean(x, dims=[-1], keepdims=1)
-        x2mean = jt.mean(x * x, dims=[-1], keepdims=1)
-        xvar = (x2mean - xmean * xmean).maximum(0.0)
-        std = jt.sqrt(xvar + eps)
-        w = weight / std
-        b = bias - xmean * w
+        y, xmean, std = _layer_norm(x, weight, bias, eps)
         self.x, self.xmean, self.std, self.weight = x, xmean, std, weight
-        return x * w + b
+        return y
 
     def grad(self, g):
         rstd = 1.0 / self.std  # (..., 1)
@@ -173,8 +182,8 @@ def frozen_matmul_t(x: jt.Var, w: jt.Var) -> jt.Var:
 
 
 class LayerNorm(nn.LayerNorm):
-    """``jittor.nn.LayerNorm`` (same parameters and forward numbers) over the last axis, with the
-    lean backward above."""
+    """``jittor.nn.LayerNorm``'s parameters over the last axis, its variance from the centred values
+    (``_layer_norm``), with the lean backward above."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5):
         super().__init__(normalized_shape, eps=eps)
@@ -182,8 +191,10 @@ class LayerNorm(nn.LayerNorm):
             raise ValueError(f"LayerNorm: normalizes over the last axis only, got shape {self.normalized_shape}")
 
     def execute(self, x):
-        if jt.flags.amp_level != 0 or (x.is_stop_grad() and self.weight.is_stop_grad()):
+        if jt.flags.amp_level != 0:
             return super().execute(x)
+        if x.is_stop_grad() and self.weight.is_stop_grad():  # no backward: the expression alone
+            return _layer_norm(x, self.weight, self.bias, self.eps)[0]
         return _LayerNormFn.apply(x, self.weight, self.bias, self.eps)
 
 
