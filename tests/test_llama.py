@@ -523,3 +523,28 @@ def test_cuda_matches_transformers(checkpoints, kind):
     assert set(grads) == set(ref_grads)
     for n in grads:
         assert_close(f"CUDA llama LoRA grad vs peft ({kind}) {n}", grads[n], ref_grads[n], 1e-5)
+
+
+def test_merge_refused_where_the_head_is_tied_to_an_adapted_embedding(backend):
+    """A tied head reads the base embedding table while LoRA is unmerged (as transformers + peft);
+    merging the embedding's update would change the head too (logits 13 apart): refused, and an
+    untied model merges with unchanged logits."""
+    from lora_core import LoRATargetConfig
+
+    for tied in (True, False):
+        cfg = spec.llama_config("tiny-llama", tie_word_embeddings=tied)
+        model = backend.LlamaForCausalLM(cfg)
+        model.load_weights(spec.init_llama_weights(cfg, 0))
+        backend.inject_lora(model, LoRATargetConfig(r=2, alpha=4, target_modules=["embed_tokens", "q_proj"]))
+        for n, p in model.named_parameters():  # nonzero updates (B starts at zero)
+            if "lora_" in n:
+                p.assign(p + 0.5) if backend.NAME == "jittor" else p.data.add_(0.5)
+        model.eval()
+        ids = _ids()[0]
+        before = to_numpy(model(ids)[0])
+        if tied:
+            with pytest.raises(ValueError, match="tied to embed_tokens, which has LoRA"):
+                backend.merge_lora(model)
+        else:
+            backend.merge_lora(model)
+            assert np.abs(to_numpy(model(ids)[0]) - before).max() <= 1e-5 * max(1.0, np.abs(before).max())

@@ -15,8 +15,19 @@ def lora_layers(model) -> list:
 
 
 def merge_lora(model) -> None:
-    """Merge every LoRA layer of ``model`` into its weight (idempotent; outputs unchanged)."""
-    for m in lora_layers(model):
+    """Merge every LoRA layer of ``model`` into its weight (idempotent; outputs unchanged).
+
+    Raises:
+        ValueError: the LM head is tied to an embedding that has LoRA (a Llama-family model with
+            ``tie_word_embeddings``): the merged update would reach the head as well, which
+            unmerged reads the base table (as transformers + peft compute it), so the outputs
+            would change; GPT-2's tied head adds the update itself, merged or not."""
+    layers = lora_layers(model)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and any(
+            type(m).__name__ == "LoRAEmbedding" for m in layers):  # fmt: skip
+        raise ValueError("merge_lora: the LM head is tied to embed_tokens, which has LoRA: merging would change "
+                         "the head too (other logits); keep the adapter unmerged, or adapt an untied model")
+    for m in layers:
         m.merge()
 
 
