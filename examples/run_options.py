@@ -145,13 +145,19 @@ def loaded_quant(base, quant: dict) -> dict:
             "compute_dtype": "float32"}
 
 
-def with_quantize_note(note: str, args: argparse.Namespace, base=None) -> str:
+def base_note(note: str, base, quant: dict) -> str:
     """``note`` of the base weights plus the 4-bit settings it loads with (``quantize=nf4
     double_quant=True compute_dtype=float32``; ``base``: its folder, which may be a bitsandbytes
-    4-bit checkpoint: ``loaded_quant``): a resume with other settings differs in the run's
-    ``base`` and is refused, and an evaluation on another base warns (``base_mismatch``)."""
-    extra = " ".join(f"{k}={v}" for k, v in loaded_quant(base, quantize_kwargs(args)).items())
+    4-bit checkpoint; ``quant``: ``quantize_kwargs``; see ``loaded_quant``): a resume with other
+    settings differs in the run's ``base`` and is refused, and an evaluation on another base warns
+    (``base_mismatch``)."""
+    extra = " ".join(f"{k}={v}" for k, v in loaded_quant(base, quant).items())
     return f"{note} {extra}" if extra else note
+
+
+def with_quantize_note(note: str, args: argparse.Namespace, base=None) -> str:
+    """:func:`base_note` with the command's quantization options."""
+    return base_note(note, base, quantize_kwargs(args))
 
 
 _QUANT_KEYS = ("quantize", "double_quant", "compute_dtype")
@@ -198,5 +204,5 @@ def resolve_base_adapter(base: Path, adapter: Path | None, quant: dict, warn: bo
 
 
 __all__ = ["COMPUTE_DTYPES", "add_quantize_options", "add_run_options", "apply_run_options", "check_quantize",
-           "quantize_kwargs", "loaded_quant", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive",
+           "quantize_kwargs", "loaded_quant", "base_note", "with_quantize_note", "base_mismatch", "doc_summary", "output_file", "positive",
            "resolve_base_adapter"]

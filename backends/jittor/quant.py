@@ -15,9 +15,17 @@ from lora_core.quant.qlora import module_of
 from ._lean_layers import frozen_matmul_t
 from .lora import LoRALinear, LoRAMergedLinear, linear_decode
 
+# A float32 ``v`` rounded to a bfloat16 value in place (to nearest even, NaN kept: torch's and
+# bitsandbytes' conversion; jittor's own cast truncates); needs <cstring>
+_ROUND_BF16 = """{
+            unsigned int u;
+            std::memcpy(&u, &v, 4);
+            u = (v != v) ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+            std::memcpy(&v, &u, 4);
+        }"""
 # ``{scale}``: the block's scale ``s`` (double quantization: ``dyn[code] * nested + offset``,
-# a float32 product not fused with the sum; else the float32 absmax); ``{bf16}``: the weight rounded
-# to bfloat16 (round to nearest even, NaN kept: torch's and bitsandbytes' conversion) in float32
+# a float32 product not fused with the sum; else the float32 absmax); ``{round}``: the weight
+# rounded to bfloat16 (``_ROUND_BF16``), or nothing
 _SRC = """
     const long n = out0_shape0 * out0_shape1, bs = {bs};
     for (long i = 0; i < n; i++) {{
@@ -26,14 +34,9 @@ _SRC = """
         {scale}
         const unsigned char byte = in0_p[i >> 1];
         const int c = (i & 1) ? (byte & 15) : (byte >> 4);
-        float w = in4_p[c] * s;
-        if ({bf16}) {{
-            unsigned int u;
-            std::memcpy(&u, &w, 4);
-            u = (w != w) ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-            std::memcpy(&w, &u, 4);
-        }}
-        out0_p[i] = w;
+        float v = in4_p[c] * s;
+        {round}
+        out0_p[i] = v;
     }}
 """
 _NESTED_SCALE = """{{
@@ -49,18 +52,15 @@ def dequantize(layer, bf16: bool = False) -> jt.Var:
     scale = _NESTED_SCALE.format(nbs=layer.nested_blocksize) if layer.nested else _PLAIN_SCALE
     return jt.code(layer.shape, "float32", [packed, absmax, nested_off, jt.array(dynamic_map()), jt.array(NF4_CODE)],
                    cpu_header="#include <cstring>",
-                   cpu_src=_SRC.format(bs=layer.blocksize, scale=scale, bf16=int(bf16)))
+                   cpu_src=_SRC.format(bs=layer.blocksize, scale=scale, round=_ROUND_BF16 if bf16 else ""))
 
 
-_ROUND_BF16_SRC = """
-    for (long i = 0; i < in0_shape0; i++) {
+_ROUND_BF16_SRC = f"""
+    for (long i = 0; i < in0_shape0; i++) {{
         float v = in0_p[i];
-        unsigned int u;
-        std::memcpy(&u, &v, 4);
-        u = (v != v) ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-        std::memcpy(&v, &u, 4);
+        {_ROUND_BF16}
         out0_p[i] = v;
-    }
+    }}
 """
 
 

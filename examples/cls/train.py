@@ -37,7 +37,7 @@ from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, doc_summary, loaded_quant, quantize_kwargs
+from ..run_options import add_run_options, apply_run_options, base_note, doc_summary, quantize_kwargs
 from .evaluate import write_predictions
 from .prepare import read_prepared
 
@@ -102,7 +102,7 @@ def run(
         resume=resume,
         resume_from=resume_from,
         progress=progress,
-        base_note=" ".join([str(base), *(f"{k}={v}" for k, v in loaded_quant(base, quantize or {}).items())]),
+        base_note=base_note(str(base), base, quantize or {}),
         kill_after=kill_after,
         comm=comm,
         task=ClassificationTask(),

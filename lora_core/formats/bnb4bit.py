@@ -171,8 +171,6 @@ def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: d
     ``bnb4bit_tensors``; names are transformers'), each written atomically."""
     from .checkpoint import write_weights_and_config
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     nested = {st.nested for st in states.values()}
     if len(nested) > 1:

@@ -83,8 +83,6 @@ def write_hf_checkpoint(folder: str | os.PathLike, config: dict, tensors: dict[s
 
     from .checkpoint import write_weights_and_config
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     write_weights_and_config(folder, "model.safetensors", arrays, {"format": "pt"}, "config.json",
                              json.loads(json.dumps(config)))

@@ -216,8 +216,9 @@ def _load_zip(path: str, lazy: bool = False) -> dict:
         if not pkls:
             raise CheckpointError(f"{path}: a zip archive without data.pkl: not a torch.save file")
         root = pkls[0][: -len("data.pkl")]
-        if f"{root}byteorder" in zf.namelist() and zf.read(f"{root}byteorder").strip() != b"little":
-            order = zf.read(f"{root}byteorder").decode("ascii", "replace").strip()
+        record = f"{root}byteorder"  # an archive without the record: read as little-endian, as before
+        order = zf.read(record).decode("ascii", "replace").strip() if record in zf.namelist() else "little"
+        if order != "little":
             raise CheckpointError(f"{path}: its byteorder record says {order!r}: only little-endian torch.save "
                                   f"archives are read (load it with torch on its machine and save it again)")  # fmt: skip
         cache = {}

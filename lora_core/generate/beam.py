@@ -87,12 +87,12 @@ class BeamSearch:
             raise ValueError(f"beam {self.k} is larger than the vocabulary ({V} tokens): choose beam <= {V}")
         edits = logit_edits(self.history, self.step_index, logits.shape[0], self.cfg)
         if hasattr(logits, "candidates"):
-            cand = logits.candidates(edits, min(self.k, V))
+            cand = logits.candidates(edits, self.k)
         else:
             x = logits if overwrite and logits.dtype == np.float32 else np.array(logits, dtype=np.float32)
             if self._scratch is None or self._scratch.shape != x.shape:
                 self._scratch = np.empty_like(x)
-            cand = host_candidates(x, edits, min(self.k, V), self._scratch)
+            cand = host_candidates(x, edits, self.k, self._scratch)
         if np.isnan(cand.lse).any():
             raise FloatingPointError(f"beam search step {self.step_index}: the model returned NaN logits "
                                      f"(rows {np.flatnonzero(np.isnan(cand.lse))[:10].tolist()})")

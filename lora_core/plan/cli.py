@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, name = resolve_model(args.model)
         family = "gpt2" if isinstance(cfg, GPT2Config) else "llama"
-        targets = DEFAULT_TARGETS[family] if args.targets is None else tuple(dict.fromkeys(t for t in args.targets.split(",") if t))
+        targets = DEFAULT_TARGETS[family] if args.targets is None else tuple(t for t in args.targets.split(",") if t)
         c = PlanConfig(method=args.method, targets=targets, r=DEFAULT_R if args.r is None else args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
                        seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim,
