@@ -33,9 +33,20 @@ def doc_summary(doc: str) -> str:
 
 
 def output_file(name: str, path: Path | None) -> None:
-    """Refuse, before any work, an output file option (``--json``) that names a folder."""
-    if path is not None and path.is_dir():
+    """Refuse, before any work, an output file option (``--json``) that names a folder, or
+    whose folder cannot be made because a file stands where a folder of its path must be."""
+    if path is None:
+        return
+    if path.is_dir():
         raise ValueError(f"{name} {path}: is a folder; give a file name")
+    no_file_above(name, path)
+
+
+def no_file_above(name: str, path: Path) -> None:
+    """Refuse an output path (``--out-dir``, ``--json``) below a file (``afile/sub``), before any work."""
+    for parent in Path(path).parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{name} {path}: {parent} is a file, not a folder")
 
 
 def positive(name: str, value: int | None) -> None:

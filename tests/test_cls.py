@@ -29,6 +29,9 @@ def test_tsv_errors_name_file_and_line(tmp_path):
     p.write_text("sentence\tlabel\ngood\n")
     with pytest.raises(cls_data.DataError, match=r"train.tsv:2: expected 2 tab-separated fields, got 1"):
         cls_data.read_tsv(p)
+    p.write_text("sentence\tlabel\ngood\t1\n  \t0\n")
+    with pytest.raises(cls_data.DataError, match=r"train.tsv:3: empty sentence"):
+        cls_data.read_tsv(p)
     p.write_bytes(b"sentence\tlabel\ngood\t1\nbad \xff\t0\n")
     with pytest.raises(cls_data.DataError, match=r"train.tsv:3: not UTF-8 text \(byte 0xff\)"):
         cls_data.read_tsv(p)
@@ -58,7 +61,10 @@ def test_test_split_keeps_glue_indices(shared_dir, tmp_path, monkeypatch):
     from examples.cls import evaluate
 
     monkeypatch.setattr(evaluate, "predict", lambda bk, model, ids: np.arange(len(ids)) % 2)
-    evaluate.write_predictions(None, None, tmp_path / "enc", tmp_path / "pred", {})
+    import types
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64, vocab_size=30522))
+    evaluate.write_predictions(None, model, tmp_path / "enc", tmp_path / "pred", {})
     assert (tmp_path / "pred" / "test_predictions.tsv").read_text() == "index\tprediction\n999\t0\n4\t1\n"
     with pytest.raises(ValueError, match="--max-len 1: a sentence takes at least 2 tokens"):
         prepare.prepare(tmp_path, vocab, tmp_path / "enc2", max_len=1)
@@ -179,3 +185,31 @@ def test_prepare_and_evaluate_peft_adapter_both_backends(shared_dir, tmp_path):
     assert (tmp_path / "torch" / "test_predictions.tsv").read_text() == (
         tmp_path / "jittor" / "test_predictions.tsv"
     ).read_text()
+
+
+def test_prepared_splits_are_checked_before_predicting(tmp_path):
+    """A prepared split that holds a GLUE index twice, or nothing, or a sentence longer than the
+    model's positions, is refused naming the file (and line) before anything is predicted; a
+    missing or damaged vocabulary is named too (tokenizers raises a bare Exception)."""
+    import json
+    import types
+
+    from examples.cls import evaluate, prepare
+
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"ids": [101, 5, 102], "index": i}) + "\n" for i in (0, 1, 1)))
+    with pytest.raises(cls_data.DataError, match=r"test.jsonl:3: index 1 again \(line 2 has it\)"):
+        prepare.read_prepared(test, with_index=True)
+    (tmp_path / "dev.jsonl").write_text("")
+    with pytest.raises(cls_data.DataError, match="dev.jsonl: the file is empty"):
+        prepare.read_prepared(tmp_path / "dev.jsonl")
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"ids": [101, 102], "label": 1}) + "\n"
+                                        + json.dumps({"ids": [101] * 40, "label": 0}) + "\n")  # fmt: skip
+    test.write_text(json.dumps({"ids": [101, 102], "index": 0}) + "\n")
+    cfg = types.SimpleNamespace(max_position_embeddings=32, vocab_size=200)
+    with pytest.raises(ValueError, match=r"dev.jsonl line 2 has 40 tokens: between 1 and the model's 32 positions"):
+        evaluate.read_splits(tmp_path, cfg)
+    with pytest.raises(cls_data.DataError, match="no-vocab.txt: no such vocabulary file"):
+        cls_data.wordpiece_tokenizer(tmp_path / "no-vocab.txt")
+    with pytest.raises(cls_data.DataError, match="not a file"):
+        cls_data.wordpiece_tokenizer(tmp_path)

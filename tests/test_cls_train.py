@@ -172,7 +172,7 @@ def test_bad_input_is_named(data, tmp_path):
     with pytest.raises(ValueError, match="no injected LoRA"):
         train(bk, model, [([1, 2], 0)], None, RECIPE.train, tmp_path / "a", progress=False, task=ClassificationTask())
     bk.inject_lora(model, RECIPE.lora)
-    with pytest.raises(ValueError, match="example 1: label 2 is not one of 0..1"):
+    with pytest.raises(ValueError, match="training example 2: label 2 is not one of 0..1"):
         train(bk, model, [([1, 2], 0), ([1, 3], 2)], None, RECIPE.train, tmp_path / "b", progress=False,
               task=ClassificationTask())
     with pytest.raises(ValueError, match="outside the model's vocabulary of 64"):

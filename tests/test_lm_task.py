@@ -20,18 +20,37 @@ from lora_core.train import allocator
 def test_pack_blocks_keeps_every_token_once_in_order():
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50, n).tolist() for n in (7, 1, 30, 12)]
-    for size in (2, 3, 8, 16, 52, 53, 100):
+    for size in (3, 4, 8, 16, 52, 53, 100):
         blocks = pack_blocks(docs, size, eos_id=99)
         stream = [t for d in docs for t in (*d, 99)]
         assert [t for b in blocks for t in b] == stream
-        assert all(len(b) == size for b in blocks[:-2]) and all(len(b) >= 2 for b in blocks)
+        assert all(len(b) == size for b in blocks[:-2]) and all(2 <= len(b) <= size for b in blocks)
         assert sum(b.count(99) for b in blocks) == len(docs)  # one boundary mark per document
-    # a remainder of one token joins the block before it (it would predict nothing alone)
-    assert [len(b) for b in pack_blocks([[1, 2, 3, 4, 5]], 4, None)] == [5]
+    # a remainder of one token (it would predict nothing alone) takes the last token of the block
+    # before it: no block longer than block_size (the model reads block_size - 1 positions)
+    assert pack_blocks([[1, 2, 3, 4, 5]], 4, None) == [[1, 2, 3], [4, 5]]
+    assert [len(b) for b in pack_blocks([list(range(130))], 129, None)] == [128, 2]
     with pytest.raises(ValueError, match="nothing to predict"):
         pack_blocks([[1]], 4, None)
-    with pytest.raises(ValueError, match="block_size"):
-        pack_blocks([[1, 2, 3]], 1, None)
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="--block-size must be an int >= 3"):
+            pack_blocks([[1, 2, 3]], size, None)
+
+
+def test_end_of_text_in_a_document_is_refused(tmp_path):
+    """The tokenizer encodes the end-of-text token's text as the token, the packing's document
+    boundary: a document holding it is refused naming its file and line."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from lora_core.data.text import tokenize_documents
+    from lora_core.data.tokenizer import Tokenizer
+
+    backend = HFTokenizer(models.WordLevel({"a": 0, "<|endoftext|>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok = Tokenizer(backend, "<|endoftext|>")
+    assert tokenize_documents(tok, [("x.txt", "a")]) == [[0]]
+    with pytest.raises(ValueError, match=r"y.txt: line 2: holds the end-of-text token's text '<\|endoftext\|>'"):
+        tokenize_documents(tok, [("x.txt", "a"), ("y.txt", "a\nb <|endoftext|> c")])
 
 
 def test_read_documents_names_file_and_line(tmp_path):
@@ -113,6 +132,19 @@ def test_prepare_holds_out_a_fraction_or_says_why_not(prepared, tmp_path, capsys
     assert lm_prepare.main(args + ["--out-dir", str(tmp_path / "s")]) == 1
     assert f"{tmp_path / 'no-tokenizer'}: no such tokenizer file or folder" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+    # a damaged tokenizer.json, an --out-dir below a file, --valid-fraction beside --valid: one line each
+    (tmp_path / "tokenizer.json").write_text('{"bad": ')
+    args[1] = str(tmp_path / "tokenizer.json")
+    assert lm_prepare.main(args + ["--out-dir", str(tmp_path / "u")]) == 1
+    assert f"{tmp_path / 'tokenizer.json'}: not a tokenizers tokenizer.json" in capsys.readouterr().err
+    args[1] = tok
+    (tmp_path / "afile").write_text("x")
+    for extra, words in ((["--out-dir", str(tmp_path / "afile" / "sub")], f"{tmp_path / 'afile'} is a file, not a folder"),
+                         (["--valid", str(root / "v.txt"), "--valid-fraction", "7", "--out-dir", str(tmp_path / "w")],
+                          "--valid-fraction holds out training blocks when there is no --valid")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            lm_prepare.main(args + extra)
+        assert words in capsys.readouterr().err
 
 
 def _vocab(out):
@@ -262,6 +294,8 @@ def test_evaluate_and_generate_refuse_bad_options_in_one_line(prepared, tmp_path
         (lm_gen.main, gen + ["--prompts-file", str(empty)], f"{empty}: empty file (no prompts)"),
         (lm_gen.main, gen + ["--prompt", "It is", "--max-new-tokens", "200"],
          "+ --max-new-tokens 200 exceeds the model's 128 positions"),
+        (lm_gen.main, gen + ["--prompt", "It is " * 200], "leaves no room in the model's 128 positions: shorten it"),
+        (lm_eval.main, ev + ["--json", str(bad / "x.json")], f"--json {bad / 'x.json'}: {bad} is a file, not a folder"),
     ):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err

@@ -443,11 +443,32 @@ def test_run_folder_of_an_older_version_resumes(toy, tmp_path):
     fit(cfg)
     path = tmp_path / "run" / "train_config.json"
     saved = json.loads(path.read_text())
-    del saved["task"], saved["train"]["precision"], saved["train"]["loss_scale"]
+    del saved["task"], saved["train"]["precision"], saved["train"]["loss_scale"], saved["valid_data"]
     path.write_text(json.dumps(saved))
     assert fit(cfg)["step"] == 4
     with pytest.raises(ValueError, match="train.precision: saved 'fp32', now 'bf16'"):
         fit(dataclasses.replace(cfg, precision="bf16"))
+
+
+def test_resume_over_another_validation_set_is_refused(toy, tmp_path):
+    """The validation set is part of the run (its losses are one curve in log.jsonl): a resume
+    with another one is refused naming it, as one with other training data is."""
+    from lora_core.data.nlg import read_encoded
+
+    be = lora_core.get_backend("torch")
+    cfg = apply_overrides(get_recipe("toy").train, SETTINGS + ["save_every=2", "eval_every=2"])
+    mcfg = lora_core.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    tr, va = read_encoded(toy["train"]), read_encoded(toy["valid"])
+
+    def fit(valid, steps):
+        model = be.build_model(mcfg, cfg.lora_config(), base=lora_core.init_gpt2_weights(mcfg, 0))
+        return train(be, model, tr, valid, cfg, tmp_path / "run", max_steps=steps, resume=True, progress=False)
+
+    fit(va, 4)
+    with pytest.raises(ValueError, match=rf"cannot resume, the run differs from the saved one:\n  valid_data.n_valid: "
+                                         rf"saved {len(va)}, now {len(va) - 1}\n  valid_data.sha256"):  # fmt: skip
+        fit(va[:-1], 4)
+    assert fit(va, 4)["step"] == 4
 
 
 def test_last_checkpoint_follows_the_final_evaluation(toy, tmp_path, monkeypatch):

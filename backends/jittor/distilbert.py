@@ -17,7 +17,7 @@ from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, softmax_scaled
 from ._lean_layers import LayerNorm, gelu
 from .gpt2 import checkpointed, recomputing
-from .lora import TrainEvalMixin, assign_keep_grad
+from .lora import LoRAEmbedding, TrainEvalMixin, assign_keep_grad
 
 _NEG = -1e30  # additive bias of padded keys (finite: no inf - inf)
 
@@ -47,7 +47,8 @@ class Packed:
 
 class Embeddings(nn.Module):
     def __init__(self, cfg: DistilBertConfig):
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # torch's nn.Embedding(padding_idx=pad_token_id), as transformers: the pad row gets no gradient
+        self.word_embeddings = LoRAEmbedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_token_id)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.dim)
         self.LayerNorm = LayerNorm(cfg.dim, eps=1e-12)
         self.dropout = Dropout(cfg.dropout)

@@ -80,7 +80,7 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
         return
     bias = getattr(old, "bias", None) is not None
     if plan.kind == "embedding":
-        new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha)
+        new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None))
     elif plan.enable is not None:
         cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
         new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)

@@ -125,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
-        self.embed_tokens = LoRAEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = LoRAEmbedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.padding_idx)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -134,6 +134,12 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
     """A Llama-family causal LM (see ``backends.torch.llama``)."""
 
     peft_module_prefix = ""  # our module names are transformers' LlamaForCausalLM's
+    tied_head_adds_lora = False  # a tied head reads embed_tokens' base table, as transformers + peft
+
+    @property
+    def tied_embedding(self) -> str | None:
+        """The embedding the LM head reads (``tie_word_embeddings``), or None."""
+        return "model.embed_tokens" if self.config.tie_word_embeddings else None
 
     def __init__(self, cfg: LlamaConfig):
         ensure_gpu_ok()  # on a GPU: jittor's numbers checked against numpy before any model work

@@ -179,11 +179,24 @@ class LoRAMergedLinear(LoRALinear):
         return jt.concat(rows, dim=0) * self.scaling
 
 
+def _lookup(table: jt.Var, ids: jt.Var, padding_idx: int | None) -> jt.Var:
+    """``table[ids]``; the rows of ``padding_idx`` tokens pass no gradient back to the table
+    (torch's ``F.embedding(..., padding_idx)``): the same values, the gradient of a copy cut
+    from the graph at those positions."""
+    rows = table[ids]
+    if padding_idx is None or jt.flags.no_grad or not table.requires_grad:
+        return rows
+    pad = (ids == padding_idx).unsqueeze(-1)
+    return jt.where(pad, rows.detach(), rows)  # (stop_grad() would cut the graph of rows itself)
+
+
 class LoRAEmbedding(nn.Module):
     """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0):
+    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0,
+                 padding_idx: int | None = None):
         self.r = r
+        self.padding_idx = padding_idx  # its row of W and of A^T gets no gradient (torch's nn.Embedding, peft's)
         self.weight = jt.zeros((num_embeddings, embedding_dim))
         self.scaling = alpha / r if r else 0.0
         self.merged = False
@@ -192,9 +205,9 @@ class LoRAEmbedding(nn.Module):
             self.lora_B = jt.zeros((embedding_dim, r))
 
     def execute(self, ids: jt.Var) -> jt.Var:
-        y = self.weight[ids]
+        y = _lookup(self.weight, ids, self.padding_idx)
         if self.r and not self.merged:
-            y = y + nn.matmul_transpose(self.lora_A.transpose()[ids], self.lora_B) * self.scaling
+            y = y + nn.matmul_transpose(_lookup(self.lora_A.transpose(), ids, self.padding_idx), self.lora_B) * self.scaling
         return y
 
     def delta_weight(self) -> jt.Var:

@@ -213,6 +213,9 @@ class GPT2LMModel(nn.Module):
     """GPT-2 with a tied LM head and optional LoRA layers (see module docstring)."""
 
     peft_module_prefix = "transformer."  # module names of transformers' GPT2LMHeadModel (peft adapters)
+    # the LM head reads wte (tied), its LoRA update included: a peft adapter that adapts or saves
+    # wte means another head (peft keeps the head on the base table), lora_core.formats.adapter_io
+    tied_embedding, tied_head_adds_lora = "wte", True
 
     def __init__(self, cfg: GPT2Config, lora: LoRAConfig | None = None):
         super().__init__()

@@ -73,7 +73,7 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
     bias = getattr(old, "bias", None) is not None
     with torch.device("meta"):  # no throw-away allocation of the base-sized weight
         if plan.kind == "embedding":
-            new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha)
+            new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None))
         elif plan.enable is not None:
             cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
             new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)

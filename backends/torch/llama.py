@@ -277,7 +277,7 @@ def checkpointed_frozen_mlp(layer: LlamaDecoderLayer, x, rope, unpad):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.padding_idx)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -307,6 +307,12 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM (see module docstring)."""
 
     peft_module_prefix = ""  # our module names are transformers' LlamaForCausalLM's
+    tied_head_adds_lora = False  # a tied head reads embed_tokens' base table, as transformers + peft
+
+    @property
+    def tied_embedding(self) -> str | None:
+        """The embedding the LM head reads (``tie_word_embeddings``), or None."""
+        return "model.embed_tokens" if self.config.tie_word_embeddings else None
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()

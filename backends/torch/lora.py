@@ -239,9 +239,11 @@ class LoRAMergedLinear(LoRALinear):
 class LoRAEmbedding(nn.Module):
     """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0):
+    def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0,
+                 padding_idx: int | None = None):
         super().__init__()
         self.r = r
+        self.padding_idx = padding_idx  # its row of W and of A^T gets no gradient (nn.Embedding's, peft's)
         self.weight = nn.Parameter(torch.zeros(num_embeddings, embedding_dim))
         self.scaling = alpha / r if r else 0.0
         self.merged = False
@@ -250,9 +252,9 @@ class LoRAEmbedding(nn.Module):
             self.lora_B = nn.Parameter(torch.zeros(embedding_dim, r))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        y = F.embedding(ids, self.weight)
+        y = F.embedding(ids, self.weight, self.padding_idx)
         if self.r and not self.merged:
-            y = y + (F.embedding(ids, self.lora_A.t()) @ self.lora_B.t()) * self.scaling
+            y = y + (F.embedding(ids, self.lora_A.t(), self.padding_idx) @ self.lora_B.t()) * self.scaling
         return y
 
     def delta_weight(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ import lora_core as lc
 from lora_core.data import cls_data
 from lora_core.data.nlg import write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
+from lora_core.train.tasks import check_token_ids
 
 from ..run_options import add_quantize_options, check_quantize, doc_summary, quantize_kwargs, resolve_base_adapter
 from .prepare import read_prepared
@@ -50,15 +51,25 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     return write_predictions(bk, model, prepared, out, metrics)
 
 
+def read_splits(prepared: Path, model_config) -> dict:
+    """The ``dev`` and ``test`` splits found in ``prepared`` (``read_prepared``'s ``(ids, labels,
+    indices)`` by path), every one checked against the model (lengths within its positions, ids
+    in its vocabulary; ``tasks.check_token_ids``) before anything is predicted or written."""
+    out = {}
+    for split in ("dev", "test"):
+        path = prepared / f"{split}.jsonl"
+        if path.is_file():
+            out[path] = read_prepared(path, with_index=True)
+            check_token_ids(out[path][0], model_config, f"{path} line")
+    return out
+
+
 def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> dict:
     """Predict the ``dev`` and ``test`` splits found in ``prepared`` into
     ``OUT/{split}_predictions.tsv``; ``metrics`` plus the dev accuracy go to ``OUT/metrics.json``."""
     metrics = dict(metrics)
-    for split in ("dev", "test"):
-        path = prepared / f"{split}.jsonl"
-        if not path.is_file():
-            continue
-        ids, labels, indices = read_prepared(path, with_index=True)
+    for path, (ids, labels, indices) in read_splits(prepared, model.config).items():
+        split = path.stem
         pred = predict(bk, model, ids)
         rows = "".join(f"{i}\t{p}\n" for i, p in zip(indices or range(len(pred)), pred))  # test: GLUE's indices
         write_text_atomic(out / f"{split}_predictions.tsv", "index\tprediction\n" + rows)

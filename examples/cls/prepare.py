@@ -46,7 +46,7 @@ def read_prepared(path: Path, with_index: bool = False):
     """``(ids, labels)`` of a prepared split (labels None for test); ``with_index``: also the
     test split's GLUE indices (``None`` for a labelled split; older files without them: 0..n-1).
     A line that is not such a record raises ``cls_data.DataError`` naming the file and line."""
-    ids, labels, indices = [], [], []
+    ids, labels, indices, seen = [], [], [], {}
     with open(path, "rb") as f:
         for no, raw in enumerate(f, start=1):
             try:
@@ -70,8 +70,13 @@ def read_prepared(path: Path, with_index: bool = False):
                 index = r.get("index", no - 1)
                 if type(index) is not int or index < 0:
                     raise cls_data.DataError(f"{path}:{no}: index {index!r} is not a whole number")
+                if index in seen:  # a submission file holds each GLUE index once
+                    raise cls_data.DataError(f"{path}:{no}: index {index} again (line {seen[index]} has it)")
+                seen[index] = no
                 indices.append(index)
             ids.append(seq)
+    if not ids:
+        raise cls_data.DataError(f"{path}: the file is empty (no example)")
     return (ids, labels, None if labels is not None else indices) if with_index else (ids, labels)
 
 

@@ -38,7 +38,7 @@ from lora_core.train.tasks import ClassificationTask
 from lora_core.train.trainer import train
 
 from ..run_options import add_run_options, apply_run_options, base_note, doc_summary, quantize_kwargs
-from .evaluate import write_predictions
+from .evaluate import read_splits, write_predictions
 from .prepare import read_prepared
 
 
@@ -90,6 +90,7 @@ def run(
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
     backend = lora_core.get_backend(backend_name)
     model = build(backend, base, recipe, quantize)
+    read_splits(prepared, model.config)  # the splits predicted after training fit the model (before it trains)
     backend.to_device(model, device)
     backend.set_grad_checkpoint(model, grad_checkpoint)
     summary = train(

@@ -44,11 +44,14 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     empty = [i for i, c in enumerate(contexts) if not c]
     if empty:
         raise ValueError(f"prompt {empty[0] + 1} is empty")
-    longest = max(len(c) for c in contexts)
-    if longest + max_new_tokens > max_positions(model):
+    longest, P = max(len(c) for c in contexts), max_positions(model)
+    if longest >= P:  # room for one new token at least: the prompt's P - 1 positions read, one predicted
+        raise ValueError(f"the longest prompt ({longest} tokens) leaves no room in the model's {P} positions: "
+                         f"shorten it to at most {P - 1} tokens")  # fmt: skip
+    # the last new token is predicted, never read back: prompt + new - 1 positions are read
+    if longest + max_new_tokens - 1 > P:
         raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
-                         f"model's {max_positions(model)} positions: give at most {max_positions(model) - longest} "
-                         f"new tokens or a shorter prompt")  # fmt: skip
+                         f"model's {P} positions: give at most {P - longest + 1} new tokens or a shorter prompt")  # fmt: skip
     cfg = BeamConfig(beam=beam, max_new_tokens=max_new_tokens, no_repeat_ngram_size=0, stop_ids=(tok.eos_id,))
     outs = backend.beam_search(model, contexts, cfg, batch_size=min(8, len(contexts)))
     return [continuation(tok, c, [t for t in o if t != tok.eos_id]) for c, o in zip(contexts, outs)]

@@ -25,7 +25,7 @@ from pathlib import Path
 from lora_core.data.nlg import write_jsonl_atomic, write_text_atomic
 from lora_core.data.text import load_text_tokenizer, pack_blocks, read_documents, tokenize_documents
 
-from ..run_options import doc_summary
+from ..run_options import doc_summary, no_file_above
 
 
 def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_size: int, out_dir: Path,
@@ -66,14 +66,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPT-2 vocabulary folder, a checkpoint folder with tokenizer.json, or a tokenizer.json")
     p.add_argument("--train", required=True, type=Path, nargs="+", help="text files (one document each)")
     p.add_argument("--valid", type=Path, nargs="+", help="held-out text files")
-    p.add_argument("--valid-fraction", type=float, default=0.05, help="without --valid: the last blocks held out")
+    p.add_argument("--valid-fraction", type=float, default=None,
+                   help="without --valid: the share of the training blocks held out, the last ones (default 0.05)")
     p.add_argument("--block-size", type=int, default=512, help="tokens per block (the model reads block - 1)")
     p.add_argument("--out-dir", required=True, type=Path)
     args = p.parse_args(argv)
     if args.out_dir.exists() and not args.out_dir.is_dir():
         p.error(f"--out-dir {args.out_dir}: exists and is not a folder")
     try:
-        meta = prepare(args.tokenizer, args.train, args.valid, args.block_size, args.out_dir, args.valid_fraction)
+        no_file_above("--out-dir", args.out_dir)
+    except ValueError as e:
+        p.error(str(e))
+    if args.valid and args.valid_fraction is not None:
+        p.error("--valid-fraction holds out training blocks when there is no --valid: give one of the two")
+    try:
+        meta = prepare(args.tokenizer, args.train, args.valid, args.block_size, args.out_dir,
+                       0.05 if args.valid_fraction is None else args.valid_fraction)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

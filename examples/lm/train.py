@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         resume_from=args.resume_from, progress=not args.no_progress, base_note=note,
                         kill_after=args.stop_after, comm=comm, task=LMTask())
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
-        if args.random_init and not (args.save_base or args.quantize):  # nothing for evaluate/generate to load
+        if args.random_init and not (args.save_base or args.quantize) and cfg.method == "lora":
+            # nothing for evaluate/generate to put the adapter on (a full run's checkpoints are whole models)
             text += ("\nnote: the --random-init base was not written: rerun with --save-base (OUT/base) to evaluate "
                      "or generate with this adapter")  # fmt: skip
         return text

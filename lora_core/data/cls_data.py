@@ -53,6 +53,8 @@ def read_tsv(path: str | os.PathLike, labelled: bool = True) -> list[tuple[str, 
             if not index.isdigit() or not index.isascii():
                 raise DataError(f"{path}:{no}: index {index!r} is not a whole number")
             out.append((sentence.strip(), int(index)))
+        if not out[-1][0]:  # it would encode to [CLS] [SEP] alone, and train (or be judged) as a sentence
+            raise DataError(f"{path}:{no}: empty sentence")
     if not labelled:
         seen: dict[int, int] = {}
         for no, (_, index) in enumerate(out, start=2):
@@ -67,7 +69,14 @@ def wordpiece_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
-    tok = Tokenizer(WordPiece.from_file(str(vocab_path), unk_token="[UNK]"))
+    if not Path(vocab_path).exists():
+        raise DataError(f"{vocab_path}: no such vocabulary file (a BERT vocab.txt)")
+    if not Path(vocab_path).is_file():
+        raise DataError(f"{vocab_path}: not a file (a BERT vocab.txt expected)")
+    try:
+        tok = Tokenizer(WordPiece.from_file(str(vocab_path), unk_token="[UNK]"))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise DataError(f"{vocab_path}: not a WordPiece vocab.txt ({e})") from None
     tok.normalizer = normalizers.BertNormalizer(
         lowercase=lowercase, strip_accents=None, clean_text=True, handle_chinese_chars=True
     )

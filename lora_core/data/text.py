@@ -6,8 +6,9 @@ is one document; documents are concatenated in the order given, each followed by
 tokenizer's end-of-text token (so a block that crosses a boundary still says where one
 document ends), and the stream is cut into consecutive blocks of ``block_size`` tokens.
 Unlike ``group_texts`` the remainder is kept: the last block may be shorter (a remainder of a
-single token, which would predict nothing, joins the block before it). Every token of the
-stream is in exactly one block, in order (``pack_blocks`` checks it).
+single token, which would predict nothing, takes the last token of the block before it, so
+that no block is longer than ``block_size``: that token is then read, not predicted). Every
+token of the stream is in exactly one block, in order (``pack_blocks`` checks it).
 
 A block trains as ``(block[:1], block[1:])`` (``lora_core.train.tasks.LMTask``): the model reads
 ``block[:-1]`` and predicts every token after the first, the loss ``run_clm`` computes on the
@@ -71,24 +72,33 @@ def load_text_tokenizer(spec: str | os.PathLike) -> Tokenizer:
 
 
 def tokenize_documents(tok: Tokenizer, docs: Sequence[tuple[str, str]]) -> list[list[int]]:
-    """Token ids of each document (no special tokens added)."""
+    """Token ids of each document (no special tokens added). A document whose text holds the
+    end-of-text token's own text is refused naming its file and line: the tokenizer encodes that
+    text as the token itself, which the packing puts between documents only."""
+    for name, text in docs:
+        at = text.find(tok.eos_token)
+        if at >= 0:
+            raise ValueError(f"{name}: line {text.count(chr(10), 0, at) + 1}: holds the end-of-text token's text "
+                             f"{tok.eos_token!r}, which would read as a document boundary: remove it, or end the "
+                             f"file there and give the rest as another file")  # fmt: skip
     return tok.encode_batch([text for _, text in docs])
 
 
 def pack_blocks(docs_ids: Sequence[Sequence[int]], block_size: int, eos_id: int | None) -> list[list[int]]:
     """Cut the documents, each followed by ``eos_id`` (None: nothing between them), into
     consecutive blocks of ``block_size`` tokens (see the module docstring)."""
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"block_size must be an int >= 2 (one token read, one predicted), got {block_size!r}")
+    if not isinstance(block_size, int) or block_size < 3:
+        raise ValueError(f"--block-size must be an int >= 3 (tokens read and predicted; a remainder of one token "
+                         f"takes one from the block before it, which must keep two), got {block_size!r}")
     stream: list[int] = []
     for ids in docs_ids:
         stream.extend(ids)
         if eos_id is not None:
             stream.append(eos_id)
     blocks = [stream[s : s + block_size] for s in range(0, len(stream), block_size)]
-    if len(blocks) > 1 and len(blocks[-1]) == 1:
-        tail = blocks.pop()
-        blocks[-1] = blocks[-1] + tail
+    if len(blocks) > 1 and len(blocks[-1]) == 1:  # (block_size - 1, 2): never longer than block_size
+        blocks[-1] = blocks[-2][-1:] + blocks[-1]
+        blocks[-2] = blocks[-2][:-1]
     if not blocks or len(blocks[-1]) < 2:
         raise ValueError(f"{len(stream)} token(s) in all: nothing to predict")
     if sum(len(b) for b in blocks) != len(stream) or [t for b in blocks for t in b] != stream:

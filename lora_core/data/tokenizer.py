@@ -96,12 +96,16 @@ def load_tokenizer(spec: str | os.PathLike, eos_token: str = EOS_TOKEN) -> Token
     path = Path(spec)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
-            return _named(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), eos_token, path)
+            return _named(_tokenizer_file(path / "tokenizer.json"), eos_token, path)
         if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
-            return _named(_from_vocab_files(path / "encoder.json", path / "vocab.bpe"), eos_token, path)
+            try:
+                backend = _from_vocab_files(path / "encoder.json", path / "vocab.bpe")
+            except Exception as e:  # tokenizers raises a bare Exception for a damaged file
+                raise ValueError(f"{path}: encoder.json + vocab.bpe do not make a BPE tokenizer ({e})") from None
+            return _named(backend, eos_token, path)
         raise FileNotFoundError(f"{path}: holds neither tokenizer.json nor encoder.json + vocab.bpe")
     if path.is_file():
-        return _named(tokenizers.Tokenizer.from_file(str(path)), eos_token, path)
+        return _named(_tokenizer_file(path), eos_token, path)
     if path.is_absolute() or str(spec).startswith((".", "~")) or len(path.parts) > 2:  # a path, not a hub name
         raise FileNotFoundError(f"{spec}: no such tokenizer file or folder")
     try:
@@ -113,8 +117,20 @@ def load_tokenizer(spec: str | os.PathLike, eos_token: str = EOS_TOKEN) -> Token
     return _named(backend, eos_token, spec)
 
 
+def _tokenizer_file(path: Path):
+    """``tokenizers.Tokenizer.from_file``; a file it cannot read (not JSON, not a tokenizer) is a
+    ValueError naming it (tokenizers raises a bare Exception)."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise ValueError(f"{path}: not a tokenizers tokenizer.json ({e})") from None
+
+
 def _named(backend, eos_token: str, where) -> Tokenizer:
     """``Tokenizer(backend, eos_token)``; a missing end-of-text token names the tokenizer."""
+    if not isinstance(eos_token, str) or not eos_token:
+        raise ValueError(f"{where}: the end-of-text token must be a non-empty string (tokenizer_config.json's "
+                         f"eos_token), got {eos_token!r}")
     try:
         return Tokenizer(backend, eos_token)
     except ValueError as e:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..lora import injection
 from ..lora.injection import Injection
-from ..lora.targeting import LoRATargetConfig, TargetError
+from ..lora.targeting import LoRATargetConfig, TargetError, in_saved_module
 from . import peft_format as pf
 from .checkpoint import (
     ADAPTER_CONFIG,
@@ -59,9 +59,10 @@ def save(
     expected = expected_shapes(inj, param_shapes)
     check_tensors(path, {k: v for k, v in tensors.items() if k in expected}, expected)
     if format == "lora_core":
-        write_weights_and_config(path, ADAPTER_WEIGHTS, {k: tensors[k] for k in expected}, None, ADAPTER_CONFIG,
-                                 {"lora_core_format": FORMAT_VERSION, "kind": "injected",
-                                  "targets": inj.config.to_dict(), "base": base})  # fmt: skip
+        meta = {"lora_core_format": FORMAT_VERSION, "kind": "injected", "targets": inj.config.to_dict(), "base": base}
+        if inj.match_prefix:  # the patterns name the modules with this prefix (a peft config loaded into ours)
+            meta["match_prefix"] = inj.match_prefix
+        write_weights_and_config(path, ADAPTER_WEIGHTS, {k: tensors[k] for k in expected}, None, ADAPTER_CONFIG, meta)
     elif format == "peft":
         cfg = inj.config
         # regexes match full names: they get the prefix unless they were matched with it already
@@ -82,19 +83,28 @@ def save(
 
 def read_config(path: str | os.PathLike) -> tuple[LoRATargetConfig, AdapterFormat]:
     """The targeting config of an adapter folder of either format (peft's refusals apply)."""
+    return _read_config(path)[:2]
+
+
+def _read_config(path: str | os.PathLike) -> tuple[LoRATargetConfig, AdapterFormat, str | None]:
+    """:func:`read_config` and, for our format, the prefix its patterns were matched with
+    (None: a peft folder, whose patterns take the model's ``peft_module_prefix``)."""
     cfg_path = Path(path) / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: no adapter config (is {path} an adapter folder?)")
     meta = read_json(cfg_path)
     if pf.is_peft_config(meta):
-        return pf.config_from_peft(meta, cfg_path), "peft"
+        return pf.config_from_peft(meta, cfg_path), "peft", None
     if meta.get("kind") != "injected" or "targets" not in meta:
         raise CheckpointError(
             f"{cfg_path}: not an adapter of an injected model (GPT-2 adapters load with "
             f"from_pretrained(base, adapter=...))"
         )
+    prefix = meta.get("match_prefix", "")
+    if not isinstance(prefix, str):
+        raise CheckpointError(f"{cfg_path}: match_prefix must be a string, got {prefix!r}")
     try:
-        return LoRATargetConfig.from_dict(meta["targets"]), "lora_core"
+        return LoRATargetConfig.from_dict(meta["targets"]), "lora_core", prefix
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: not a valid adapter config ({type(e).__name__}: {e})") from e
 
@@ -136,12 +146,46 @@ def load(
     return {keys[k]: np.ascontiguousarray(v, dtype=np.float32) for k, v in raw.items()}
 
 
+def refuse_peft_tied_head(model, inj: Injection, where) -> None:
+    """A peft adapter cannot mean the same model here where the LM head is tied to an embedding
+    that the adapter changes: peft's LoRA embedding and its ``modules_to_save`` copy are modules of
+    their own, so its tied head keeps reading the base table, where ours reads the table the
+    model trains (a ``modules_to_save`` embedding of our Llama or GPT-2, a transformers model's
+    shared weight) or adds the embedding's LoRA update (our GPT-2's head). Such an adapter would
+    load or save with other logits than peft's: CheckpointError naming the module and ``where``."""
+    saves, prefix = inj.config.modules_to_save, inj.match_prefix
+    bad = []
+    tied = getattr(model, "tied_embedding", None)
+    if tied:
+        if tied in inj.plans and getattr(model, "tied_head_adds_lora", False):
+            bad.append(f"{tied} has LoRA, which the tied LM head reads too")
+        if in_saved_module(prefix + tied + ".weight", saves):
+            bad.append(f"{tied} is in modules_to_save, and the tied LM head reads the trained table")
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if w is not None and not isinstance(w, (int, float)):
+            owners.setdefault(id(w), []).append(name)
+    for names in owners.values():
+        if len(names) > 1:
+            saved = [n for n in names if in_saved_module(prefix + n + ".weight", saves)]
+            if saved:
+                bad.append(f"{saved[0]} is in modules_to_save and shares its weight with {sorted(set(names) - {saved[0]})}")
+    if bad:
+        raise CheckpointError(
+            f"{where}: a peft adapter here would not give peft's logits: {'; '.join(bad)} (peft keeps a tied "
+            "head on the base embedding table). Use lora_core's adapter format, an untied model, or leave the "
+            "embedding out of the adapter")
+
+
 def save_model_adapter(model, path: str | os.PathLike, describe, to_numpy, format: AdapterFormat = "lora_core",
                        base: str | None = None) -> None:
     """The backends' ``save_lora_adapter``: the trainable set of an injected model (or of a
     GPT-2 built with LoRA) written in ``format``. ``describe``: the backend's module
     description (called with ``adapted_ok=True``); ``to_numpy(param)``: a float32 copy."""
     inj = injection.record_of(model, lambda m: describe(m, adapted_ok=True))
+    if format == "peft":
+        refuse_peft_tied_head(model, inj, Path(path))
     params = dict(model.named_parameters())
     names = set(inj.trainable(params))
     tensors = {n: to_numpy(p) for n, p in params.items() if n in names}
@@ -155,14 +199,19 @@ def load_model_adapter(model, path: str | os.PathLike, describe, replace, mark_t
     (before the model is changed), read the tensors strictly, then inject if the model had
     no LoRA (``replace``, then ``mark_trainable(model)``). Returns the injection and the
     arrays to copy, by parameter name."""
-    cfg, fmt = read_config(path)
+    cfg, fmt, saved_prefix = _read_config(path)
     prefix = getattr(model, "peft_module_prefix", "")
     inj = injection.injection_of(model)
     fresh = inj is None
     if fresh:
-        inj = injection.plan(model, cfg, describe, match_prefix=prefix if fmt == "peft" else "")
+        try:
+            inj = injection.plan(model, cfg, describe, match_prefix=prefix if fmt == "peft" else saved_prefix)
+        except TargetError as e:
+            raise TargetError(f"{Path(path) / ADAPTER_CONFIG}: {e}") from e
     elif inj.config != cfg:
         raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
+    if fmt == "peft":
+        refuse_peft_tied_head(model, inj, Path(path) / ADAPTER_CONFIG)
     shapes = dict({n: tuple(p.shape) for n, p in model.named_parameters()}, **inj.lora_shapes())
     tensors = load(path, inj, shapes, prefix)
     if fresh:
@@ -172,4 +221,4 @@ def load_model_adapter(model, path: str | os.PathLike, describe, replace, mark_t
 
 
 __all__ = ["AdapterFormat", "expected_shapes", "is_injected_adapter", "load", "load_model_adapter", "read_config",
-           "save", "save_model_adapter"]
+           "refuse_peft_tied_head", "save", "save_model_adapter"]

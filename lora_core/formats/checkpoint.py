@@ -130,7 +130,8 @@ def write_weights_and_config(folder, weights_name: str, tensors: dict[str, np.nd
 def infer_gpt2_config(tensors: dict[str, np.ndarray], path="checkpoint") -> GPT2Config:
     """GPT-2 sizes read off the canonical tensors (heads from the standard widths)."""
     if "wte.weight" not in tensors or "wpe.weight" not in tensors:
-        raise CheckpointError(f"{path}: no wte.weight/wpe.weight: not a GPT-2 checkpoint")
+        raise CheckpointError(f"{path}: no wte.weight/wpe.weight: not a GPT-2 checkpoint (a folder whose config.json "
+                              f"is missing or names no other model_type, such as llama or distilbert, is read as GPT-2)")
     V, E = tensors["wte.weight"].shape
     n_layer = len({k.split(".")[1] for k in tensors if k.startswith("h.")})
     if E not in _HEADS_BY_WIDTH:

@@ -38,13 +38,13 @@ class Injection:
 
     def trainable(self, param_names) -> list[str]:
         """The parameters that train and that an adapter holds, in the given order."""
-        return trainable_names(list(param_names), self.plans, self.config)
+        return trainable_names(list(param_names), self.plans, self.config, self.match_prefix)
 
     def refuse_frozen_saved(self, frozen_modules) -> None:
         """``modules_to_save`` trains whole modules; one whose weight is stored frozen (a 4-bit
         layer: packed codes, not a parameter) would train only its bias, silently: TargetError
         naming the modules. ``frozen_modules``: the names of the model's modules of that kind."""
-        bad = [n for n in frozen_modules if in_saved_module(n + ".weight", self.config.modules_to_save)]
+        bad = [n for n in frozen_modules if in_saved_module(self.match_prefix + n + ".weight", self.config.modules_to_save)]
         if bad:
             raise TargetError(
                 f"modules_to_save {self.config.modules_to_save!r} matches 4-bit layer(s) {bad}: their weights are "

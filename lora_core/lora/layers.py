@@ -21,14 +21,35 @@ def merge_lora(model) -> None:
         ValueError: the LM head is tied to an embedding that has LoRA (a Llama-family model with
             ``tie_word_embeddings``): the merged update would reach the head as well, which
             unmerged reads the base table (as transformers + peft compute it), so the outputs
-            would change; GPT-2's tied head adds the update itself, merged or not."""
+            would change; GPT-2's tied head adds the update itself, merged or not. Or a LoRA
+            layer's weight is held by another module as well (a transformers model's tied
+            ``lm_head`` and input embedding): merging would change that module's output."""
     layers = lora_layers(model)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and any(
             type(m).__name__ == "LoRAEmbedding" for m in layers):  # fmt: skip
         raise ValueError("merge_lora: the LM head is tied to embed_tokens, which has LoRA: merging would change "
                          "the head too (other logits); keep the adapter unmerged, or adapt an untied model")
+    shared = _shared_weights(model, layers)
+    if shared:
+        raise ValueError(f"merge_lora: {shared}: merging would write the update into the weight they share, "
+                         "changing the other module's output too; keep the adapter unmerged, or untie the weights")
     for m in layers:
         m.merge()
+
+
+def _shared_weights(model, layers) -> str:
+    """The LoRA layers whose weight another module of ``model`` holds too (a transformers model's
+    ``lm_head`` tied to its input embedding), described, or ``""``."""
+    ids = {id(m) for m in layers}
+    owners: dict[int, list[tuple[str, bool]]] = {}
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if w is not None and not isinstance(w, (int, float)):
+            owners.setdefault(id(w), []).append((name, id(m) in ids))
+    return "; ".join(
+        f"{', '.join(n for n, lora in names if lora)} (LoRA) shares its weight with "
+        f"{', '.join(n for n, lora in names if not lora) or 'another LoRA layer'}"
+        for names in owners.values() if len(names) > 1 and any(lora for _, lora in names))  # fmt: skip
 
 
 def unmerge_lora(model) -> None:

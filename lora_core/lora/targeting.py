@@ -36,6 +36,10 @@ import numpy as np
 from ..models.gpt2 import _BIAS_MODES, BiasMode, LoRAConfig
 
 LAYER_KINDS = ("linear", "conv1d", "embedding")
+# peft's sequence-classification models add both names to ``modules_to_save`` (transformers calls the
+# head ``classifier`` in BERT-like models, ``score`` in decoder-only ones): one of them matching is
+# enough, the other is ignored as peft ignores it; any other entry must match a module
+TASK_HEADS = ("classifier", "score")
 
 
 class TargetError(ValueError):
@@ -260,7 +264,9 @@ def _unmatched_patterns(names: list[str], plans: list[str], cfg: LoRATargetConfi
         ("fused_slices", cfg.fused_slices),
     ):
         out += [f"{label} {p!r}" for p in patterns if not any(pattern_key((p,), n) for n in plans)]
-    out += [f"modules_to_save {m!r}" for m in cfg.modules_to_save if not any(n.endswith(m) for n in names)]
+    saves = [m for m in cfg.modules_to_save if any(n.endswith(m) for n in names)]
+    out += [f"modules_to_save {m!r}" for m in cfg.modules_to_save if m not in saves
+            and not (m in TASK_HEADS and any(h in saves for h in TASK_HEADS))]  # fmt: skip
     excludes = (cfg.exclude_modules,) if isinstance(cfg.exclude_modules, str) else cfg.exclude_modules
     out += [
         f"exclude_modules {e!r}"
@@ -270,10 +276,13 @@ def _unmatched_patterns(names: list[str], plans: list[str], cfg: LoRATargetConfi
     return out
 
 
-def trainable_names(param_names: list[str], plans: dict[str, LayerPlan], cfg: LoRATargetConfig) -> list[str]:
+def trainable_names(
+    param_names: list[str], plans: dict[str, LayerPlan], cfg: LoRATargetConfig, match_prefix: str = ""
+) -> list[str]:
     """Parameter names that train (and that an adapter holds), in the given order: LoRA
-    parameters, the biases ``cfg.bias`` selects, every parameter of ``modules_to_save``."""
-    saved = {n for n in param_names if in_saved_module(n, cfg.modules_to_save)}
+    parameters, the biases ``cfg.bias`` selects, every parameter of ``modules_to_save``
+    (matched, as the targets were, against ``match_prefix + name``)."""
+    saved = {n for n in param_names if in_saved_module(match_prefix + n, cfg.modules_to_save)}
     out = []
     for n in param_names:
         module, _, leaf = n.rpartition(".")

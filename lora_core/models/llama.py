@@ -101,6 +101,17 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        pad = self.pad_token_id
+        if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool)
+                                or not -self.vocab_size <= pad < self.vocab_size):  # fmt: skip
+            raise ValueError(f"LlamaConfig.pad_token_id must be None or a token id of the {self.vocab_size}-token "
+                             f"vocabulary (negative counts from the end, as torch's padding_idx), got {pad!r}")
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The embedding row of the padding token, whose gradient stays zero (transformers builds
+        ``embed_tokens`` with ``padding_idx=pad_token_id``), or None."""
+        return None if self.pad_token_id is None else self.pad_token_id % self.vocab_size
 
     @property
     def kv_groups(self) -> int:

@@ -261,12 +261,15 @@ def read_checkpoint(path, adapter) -> tuple[dict, dict, dict]:
     return tensors, opt, {**STATE_SINCE, **meta}
 
 
-def _with_defaults(saved: dict) -> dict:
+def _with_defaults(saved: dict, run: dict | None = None) -> dict:
     """A saved run config with the keys added since it was written at their defaults (a run
-    folder of an older version resumes: it trained an LM, in fp32, ...)."""
+    folder of an older version resumes: it trained an LM, in fp32, ...); what it did not record
+    and has no default (its validation set, recorded since 2026-11-28) taken as ``run``'s."""
     from .recipes import TrainConfig
 
     saved = dict(saved, task=saved.get("task", "lm"))
+    if run is not None and "valid_data" not in saved and "valid_data" in run:
+        saved["valid_data"] = run["valid_data"]
     if isinstance(saved.get("train"), dict):
         merged = {**TrainConfig().to_dict(), **saved["train"]}
         saved["train"] = {k: v for k, v in merged.items() if k != "zero"}  # the ZeRO stage may change on resume
@@ -310,7 +313,7 @@ def open_run_dir(out: Path, run: dict, resume: bool, adapter, resume_from=None):
     old = out / CONFIG_FILE
     remove_temp_files(out)  # leftovers of a killed save
     if resume and old.is_file():
-        diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8"))), run)
+        diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8")), run), run)
         if diff:
             if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
                 diff.append(

@@ -124,7 +124,7 @@ class LMTask:
         return [((e["ids"][:1], e["ids"][1:]) if "ids" in e else (e["context"], e["completion"]))
                 if isinstance(e, dict) else (e[0], e[1]) for e in raw]
 
-    def check(self, examples, model) -> None:
+    def check(self, examples, model, where: str = "example") -> None:
         V = model.config.vocab_size
         top = max((max([*c, *t], default=-1) for c, t in examples), default=-1)
         if top >= V:
@@ -179,6 +179,17 @@ class LMTask:
         return {"valid_nll": mean, "valid_ppl": math.exp(min(mean, 700.0)), "valid_tokens": int(count)}
 
 
+def check_token_ids(seqs, cfg, where: str = "example") -> None:
+    """Every sequence between 1 token and the model's positions, every id in its vocabulary (a
+    classifier's inputs, labelled or not); the message names ``where`` and the 1-based number."""
+    for i, ids in enumerate(seqs):
+        if not len(ids) or len(ids) > cfg.max_position_embeddings:
+            raise ValueError(f"{where} {i + 1} has {len(ids)} tokens: between 1 and the model's "
+                             f"{cfg.max_position_embeddings} positions expected (cut them when preparing: --max-len)")
+        if max(ids) >= cfg.vocab_size or min(ids) < 0:
+            raise ValueError(f"{where} {i + 1}: token id outside the model's vocabulary of {cfg.vocab_size}")
+
+
 class ClassificationTask:
     """Sequence classification on ``(token_ids, label)`` examples (or ``{"ids", "label"}``
     records of ``examples.cls.prepare``) for a model with injected LoRA."""
@@ -190,18 +201,14 @@ class ClassificationTask:
     def examples(self, raw) -> list[tuple[list[int], int]]:
         return [(e["ids"], e["label"]) if isinstance(e, dict) else (e[0], e[1]) for e in raw]
 
-    def check(self, examples, model) -> None:
+    def check(self, examples, model, where: str = "example") -> None:
+        """Labels, lengths and token ids against the model; ``where``: how the message names the
+        examples with their 1-based number (``"validation example"``, ``"dev.jsonl line"``)."""
         cfg = model.config
-        for i, (ids, label) in enumerate(examples):
+        for i, (_, label) in enumerate(examples):
             if not isinstance(label, (int, np.integer)) or not 0 <= label < cfg.num_labels:
-                raise ValueError(f"example {i}: label {label!r} is not one of 0..{cfg.num_labels - 1}")
-            if not ids or len(ids) > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"example {i} has {len(ids)} tokens: between 1 and the model's "
-                    f"{cfg.max_position_embeddings} positions expected (cut them when preparing)"
-                )
-            if max(ids) >= cfg.vocab_size or min(ids) < 0:
-                raise ValueError(f"example {i}: token id outside the model's vocabulary of {cfg.vocab_size}")
+                raise ValueError(f"{where} {i + 1}: label {label!r} is not one of 0..{cfg.num_labels - 1}")
+        check_token_ids([ids for ids, _ in examples], cfg, where)
 
     def check_config(self, cfg, model) -> None:
         if cfg.pad_to is not None:

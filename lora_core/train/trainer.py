@@ -210,6 +210,8 @@ class Trainer:
             **self.task.describe(self.model),
             "base": self.base_note,
             "data": {"n_train": len(examples), "sha256": self.task.fingerprint(examples)},
+            # the validation set: a resume over another would log two sets' losses as one curve
+            "valid_data": {"n_valid": len(self._valid), "sha256": self.task.fingerprint(self._valid)},
         }
 
     def _prepare_dir(self, pairs, resume: bool, resume_from=None):
@@ -315,12 +317,14 @@ class Trainer:
         if steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch) == 0:
             raise ValueError(f"batch_size={cfg.batch_size} with last_batch='drop' leaves no batch: the training set "
                              f"holds {len(pairs)} examples (lower batch_size, or last_batch 'keep' or 'fill')")  # fmt: skip
-        self.task.check(pairs + valid, model)
+        self.task.check(pairs, model, "training example")
+        self.task.check(valid, model, "validation example")
         if cfg.pad_to is not None:  # every row padded to pad_to input tokens: none may be longer
             longest = max(self.task.sizes(e)[1] for e in pairs + valid)
             if longest > cfg.pad_to:
                 raise ValueError(f"pad_to={cfg.pad_to}: the data holds an example of {longest} input tokens; raise "
                                  f"pad_to to at least {longest} or leave it unset (rows padded to the batch's longest)")
+        self._valid = valid  # (what _run_config records of it)
         self._prepare(pairs, resume or resume_from is not None, resume_from)
         total, per_epoch = total_steps(cfg, len(pairs)), steps_per_epoch(len(pairs), cfg.batch_size, cfg.last_batch)
         s = self.state
