@@ -222,3 +222,17 @@ def test_pad_token_id_outside_the_vocabulary_is_refused():
                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=96)  # fmt: skip
     assert LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, pad_token_id=-1).padding_idx == 95  # fmt: skip
+
+
+def test_loaded_model_is_in_evaluation_mode(backend, tmp_path):
+    """``from_pretrained`` returns the model in evaluation mode, as transformers' does: an adapter
+    with dropout gives peft's (eval) logits at once, the same on every call; a training step
+    switches to training mode itself."""
+    hf, base = _llama(tmp_path)
+    pm = _peft_save(hf, tmp_path / "peft", target_modules=["q_proj", "v_proj"], lora_dropout=0.5)
+    ours = backend.from_pretrained(base, adapter=tmp_path / "peft")
+    ids = _ids()
+    first, second = _logits(backend, ours, ids), _logits(backend, ours, ids)
+    assert np.array_equal(first, second)
+    assert_close(f"{backend.NAME} loaded (eval mode) vs peft", first, to_numpy(pm(torch.from_numpy(ids)).logits.detach()),
+                 1e-5, floor=1.0)  # fmt: skip

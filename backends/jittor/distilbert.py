@@ -11,6 +11,7 @@ import numpy as np
 from jittor import nn
 
 from lora_core.formats.checkpoint import check_tensors
+from lora_core.models.build import in_eval_mode
 from lora_core.models.distilbert import DistilBertConfig, attention_scale, classifier_from_pretrained, pack_indices
 
 from ._gpu_check import ensure_gpu_ok
@@ -176,6 +177,7 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
         return {n: p.numpy().copy() for n, p in self.named_parameters()}
 
 
+@in_eval_mode
 def distilbert_from_pretrained(
     path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0,
     quantize: str | None = None, double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64,

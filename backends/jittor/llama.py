@@ -19,7 +19,7 @@ from jittor import nn
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.layers import decoding_weights
-from lora_core.models.build import causal_lm_from_pretrained
+from lora_core.models.build import causal_lm_from_pretrained, in_eval_mode
 from lora_core.models.llama import LlamaConfig, check_length, rope_tables
 
 from ._gpu_check import ensure_gpu_ok
@@ -240,6 +240,7 @@ class LlamaForCausalLM(TrainEvalMixin, nn.Module):
         return {n: p.numpy().copy() for n, p in self.named_parameters()}
 
 
+@in_eval_mode
 def llama_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | None = None):
     """A Llama-family model from a transformers checkpoint folder, optionally with an adapter
     folder (ours or peft's); see ``lora_core.models.build.causal_lm_from_pretrained``."""

@@ -43,6 +43,7 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
     return _build.build_model(GPT2LMModel, mark_only_lora_as_trainable, cfg, lora, base, lora_weights, trainable)
 
 
+@_build.in_eval_mode
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quantize: str | None = None,
                     double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64):
     """Load a checkpoint of any causal-LM family (GPT-2, or Llama/Mistral/Qwen2 by its

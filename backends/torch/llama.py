@@ -27,7 +27,7 @@ from torch import nn
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.layers import decoding_weights
-from lora_core.models.build import causal_lm_from_pretrained
+from lora_core.models.build import causal_lm_from_pretrained, in_eval_mode
 from lora_core.models.llama import LlamaConfig, check_length, rope_tables
 from lora_core.train import heap
 from lora_core.train.recompute import mlp_chunk_rows
@@ -450,6 +450,7 @@ class LlamaForCausalLM(nn.Module):
         return {n: p.detach().cpu().numpy().copy() for n, p in self.named_parameters()}
 
 
+@in_eval_mode
 def llama_from_pretrained(path: str | os.PathLike, adapter: str | os.PathLike | None = None):
     """A Llama-family model from a transformers checkpoint folder (``model.safetensors``,
     sharded safetensors with an index, ``pytorch_model.bin`` or its sharded form), optionally

@@ -3,6 +3,8 @@ supplies only its model class and its freezing function."""
 
 from __future__ import annotations
 
+import functools
+
 from ..formats.adapter_io import is_injected_adapter
 from ..formats.checkpoint import full_weights, resolve_pretrained
 from ..lora.naming import is_lora_name
@@ -16,6 +18,21 @@ def build_model(model_cls, mark_trainable, cfg, lora=None, base=None, lora_weigh
     if lora is not None and trainable:
         mark_trainable(model, lora.bias)
     return model
+
+
+def in_eval_mode(load):
+    """The backends' loaders (``from_pretrained``, ``llama_from_pretrained``,
+    ``distilbert_from_pretrained``) return the model in evaluation mode, as transformers'
+    ``from_pretrained`` does: dropout off, ``model(input_ids)`` deterministic. A training step
+    puts it in training mode itself (``train_step``)."""
+
+    @functools.wraps(load)
+    def loader(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.eval()
+        return model
+
+    return loader
 
 
 def from_pretrained(model_cls, mark_trainable, path, lora=None, adapter=None, trainable=True, load_injected=None):
