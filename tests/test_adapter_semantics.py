@@ -103,6 +103,8 @@ def test_tied_llama_saved_embedding_is_refused_untied_loads(backend, tmp_path):
     _peft_save(hf, tmp_path / "tied" / "peft", target_modules=["q_proj"], modules_to_save=["embed_tokens"])
     with pytest.raises(CheckpointError, match="model.embed_tokens is in modules_to_save"):
         backend.from_pretrained(base, adapter=tmp_path / "tied" / "peft")
+    with pytest.raises(TargetError, match="LM head is tied to model.embed_tokens: it reads that table and has no lm_head"):
+        backend.inject_lora(backend.from_pretrained(base), LoRATargetConfig(r=2, alpha=4, target_modules=("lm_head",)))
     hf, base = _llama(tmp_path / "untied", tie_word_embeddings=False)
     pm = _peft_save(hf, tmp_path / "untied" / "peft", target_modules=["q_proj"], modules_to_save=["embed_tokens"])
     ours = backend.from_pretrained(base, adapter=tmp_path / "untied" / "peft")

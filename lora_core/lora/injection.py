@@ -131,7 +131,14 @@ def plan(model, config, describe, match_prefix: str = "") -> Injection:
             f"{type(model).__name__} already has injected LoRA ({len(injection_of(model).plans)} "
             f"modules); inject once per model"
         )
-    plans = plan_injection({n: describe(m) for n, m in model.named_modules()}, cfg, match_prefix)
+    try:
+        plans = plan_injection({n: describe(m) for n, m in model.named_modules()}, cfg, match_prefix)
+    except TargetError as e:
+        tied = getattr(model, "tied_embedding", None)
+        if tied and "'lm_head'" in str(e) and "lm_head" not in dict(model.named_modules()):
+            raise TargetError(f"{e} (this model's LM head is tied to {tied}: it reads that table and has no "
+                              f"lm_head module of its own to adapt)") from None  # fmt: skip
+        raise
     return Injection(cfg, plans, match_prefix)
 
 
