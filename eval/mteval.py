@@ -59,11 +59,15 @@ _ASCII_WS = re.compile(r"[ \t\n\r\f\v]+")
 _RULE1_13A = str.maketrans({c: f" {c} " for c in map(chr, range(128)) if _RULES_13A[0][0].fullmatch(c)})
 
 
-def _tokenize_13a(line: str) -> list[str]:
-    """sacrebleu's ``Tokenizer13a()(line).split()``, its first rule by ``str.translate``."""
+def _tokenize_13a(line: str, lower: bool = False) -> list[str]:
+    """sacrebleu's ``Tokenizer13a()(line).split()``, its first rule by ``str.translate``;
+    ``lower``: ASCII-lowercased where mteval-v13a's ``tokenization`` does it (without ``-c``),
+    after the entities are decoded (``&QUOT;`` stays as it is, then reads ``&quot;``)."""
     line = line.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
     if "&" in line:
         line = line.replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    if lower:
+        line = line.translate(_ASCII_LOWER)
     line = f" {line} ".translate(_RULE1_13A)
     for pattern, repl in _RULES_13A[1:]:
         line = pattern.sub(repl, line)
@@ -71,8 +75,10 @@ def _tokenize_13a(line: str) -> list[str]:
 
 
 def tokenize_e2e(text: str) -> list[str]:
-    """mteval-v13a tokens of ``text`` as the E2E scorer sees them (ASCII-lowercased)."""
-    return _tokenize_13a(text.translate(_ASCII_LOWER))
+    """mteval-v13a tokens of ``text`` as the E2E scorer sees them (ASCII-lowercased after the
+    entities are decoded, in mteval's order: sacrebleu's ``lowercase=True`` lowercases first, so
+    it reads ``&QUOT;`` as a quote where mteval keeps ``& quot ;``)."""
+    return _tokenize_13a(text, lower=True)
 
 
 @lru_cache(maxsize=2**16)

@@ -203,3 +203,36 @@ def test_e2e_extra_blank_lines_stay_refused(tmp_path):
     hyp = _write(tmp_path / "h2", E2E_HYPS + "\n")  # an empty last hypothesis: 3 vs 2
     with pytest.raises(ev.EvalInputError, match=r"3 hypotheses.*has 2 reference.*line 3: ''"):
         ev.score_e2e(_write(tmp_path / "r2", E2E_REFS), hyp, metrics="BLEU")
+
+
+def test_outputs_that_would_overwrite_inputs_are_refused(tmp_path, capsys):
+    """``decode``'s and ``beam``'s outputs apart from their inputs and from each other, checked
+    before any work; ``lora-eval --per-instance`` is not one of the files it scores."""
+    from eval.cli import main as lora_eval
+
+    from lora_core.data.nlg import check_outputs_apart
+
+    beam, refs = tmp_path / "beam.jsonl", tmp_path / "refs"
+    with pytest.raises(ValueError, match=r"--pred-out .*beam.jsonl: is the --beam input"):
+        check_outputs_apart([("--pred-out", beam), ("--ref-out", refs)], [("--beam", beam), ("--test", None)])
+    with pytest.raises(ValueError, match=r"--pred-out .*reference0 and --ref-out .*refs: the same file, or one inside"):
+        check_outputs_apart([("--ref-out", refs), ("--pred-out", refs / "reference0")], [("--beam", beam)])
+    check_outputs_apart([("--pred-out", tmp_path / "pred.txt"), ("--ref-out", refs)], [("--beam", beam)])
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("a pub .\n")
+    for argv in (["e2e", "--ref", str(tmp_path / "ref.txt"), "--hyp", str(hyp), "--per-instance", str(hyp)],
+                 ["webnlg", "--ref-prefix", str(tmp_path / "reference"), "--num-refs", "2", "--hyp", str(hyp),
+                  "--per-instance", str(tmp_path / "reference1")]):  # fmt: skip
+        assert lora_eval(argv) == 2
+        assert "it would be overwritten" in capsys.readouterr().err
+    assert hyp.read_text() == "a pub .\n"
+
+
+def test_e2e_tokens_lowercase_after_the_entities_as_mteval():
+    """mteval-v13a decodes ``&quot;`` and the others case-sensitively, then lowercases: an
+    upper-case ``&QUOT;`` stays ``& quot ;`` (sacrebleu's ``lowercase=True`` lowercases first)."""
+    from eval.mteval import tokenize_e2e
+
+    assert tokenize_e2e('THE &QUOT;EAGLE&QUOT; IS A PUB .') == ["the", "&", "quot", ";", "eagle", "&", "quot", ";",
+                                                                 "is", "a", "pub", "."]  # fmt: skip
+    assert tokenize_e2e("the &quot;Eagle&quot; &amp; co") == ["the", '"', "eagle", '"', "&", "co"]

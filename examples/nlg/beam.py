@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 
 import lora_core
-from lora_core.data.nlg import group_references, read_formatted, write_jsonl_atomic
+from lora_core.data.nlg import check_outputs_apart, group_references, read_formatted, write_jsonl_atomic
 from lora_core.data.tokenizer import load_tokenizer
 from lora_core.device import DEVICE_CHOICES
 from lora_core.generate.beam_scoring import SCORING
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     def body(job) -> str:
         check_quantize(a)
+        check_outputs_apart([("--out", a.out)], [("--test", a.test)])
         positive("--batch-size", a.batch_size)
         backend = lora_core.get_backend(a.backend)
         comm = job.start(backend, a.dist_timeout)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from lora_core.data.convert import convert
+from lora_core.data.nlg import check_outputs_apart
 from lora_core.data.tokenizer import load_tokenizer
 from lora_core.generate.decode import make_eval_files
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = args.test_kind or ("e2e" if args.test.suffix == ".txt" else "formatted")
     try:
+        check_outputs_apart([("--pred-out", args.pred_out), ("--ref-out", args.ref_out)],
+                            [("--beam", args.beam), ("--test", args.test)])  # fmt: skip
         tok = load_tokenizer(args.vocab)
         records = convert(kind, args.test, allow_empty=args.allow_empty)
         info = make_eval_files(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "check_outputs_apart",
     "DataFormatError",
     "ReferenceGroup",
     "check_data_file",
@@ -166,6 +167,25 @@ def read_encoded(path: str | os.PathLike) -> list[dict]:
             if not all(type(i) is int and i >= 0 for i in ids):
                 raise DataFormatError(path, lineno, f"field {key!r} holds a value that is not a token id")
     return records
+
+
+def check_outputs_apart(outputs: Sequence[tuple[str, str | os.PathLike | None]],
+                        inputs: Sequence[tuple[str, str | os.PathLike | None]]) -> None:
+    """Refuse, before any work, an output (``(option, path)``; a folder output's files are its
+    own) that is an input, is another output, or lies inside another output (``--pred-out``
+    given the ``--beam`` file would replace the beams with the predictions; inside the
+    ``--ref-out`` folder, a reference file). None entries are absent options. ValueError naming
+    the options and the path."""
+    outs = [(o, Path(p).resolve()) for o, p in outputs if p is not None]
+    ins = [(o, Path(p).resolve()) for o, p in inputs if p is not None]
+    for i, (opt, path) in enumerate(outs):
+        for other, q in ins:
+            if path == q:
+                raise ValueError(f"{opt} {path}: is the {other} input: it would be overwritten; give another path")
+        for other, q in outs[:i]:
+            if path == q or path in q.parents or q in path.parents:
+                raise ValueError(f"{opt} {path} and {other} {q}: the same file, or one inside the other: "
+                                 f"give them apart")  # fmt: skip
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
