@@ -217,3 +217,50 @@ def test_every_bucket_of_a_recipe_run_compiles(shared_dir, dataset):
     assert c.graphs == len(c.buckets) == len(shapes) and limit >= len(shapes)
     if dataset == "dart":
         assert len(shapes) > 64, len(shapes)  # past the old limit: the test can fail
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_llama_compiled_with_grad_checkpoint_matches_eager(tmp_path, method):
+    """A Llama step compiled with activation checkpointing (LoRA on q, v: its frozen MLP is then
+    recomputed by the plain checkpoint, dynamo refusing FrozenMLP's pieces; full FT): the eager
+    losses. Was: dynamo failed on the heap trim's ctypes lookup of the C library."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from lora_core.train.optim import AdamWConfig
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128))  # fmt: skip
+    hf.save_pretrained(tmp_path / "llama")
+    bk = lora_core.get_backend("torch")
+    rng = np.random.default_rng(0)
+    batches = [collate([(rng.integers(1, 128, rng.integers(5, 12)).tolist(), rng.integers(1, 128, 5).tolist())
+                        for _ in range(4)], max_len=64) for _ in range(3)]  # fmt: skip
+
+    def run(compiled):
+        m = bk.from_pretrained(tmp_path / "llama")
+        if method == "lora":
+            bk.inject_lora(m, lora_core.LoRATargetConfig(r=4, alpha=8.0, seed=1, target_modules=("q_proj", "v_proj")))
+        bk.set_grad_checkpoint(m, True)
+        if compiled:
+            bk.set_compile(m, True, "aot_eager")
+        opt = bk.AdamW(bk.trainable_parameters(m), AdamWConfig(weight_decay=0.01))
+        return np.array([bk.train_step(m, opt, [b], 1e-2, 0.1, 1.0)["loss"] for b in batches])
+
+    np.testing.assert_allclose(run(True), run(False), rtol=2e-6, atol=0)
+
+
+def test_compile_refuses_unknown_backends_and_4bit_bases(tmp_path, capsys):
+    bk = lora_core.get_backend("torch")
+    model = bk.build_model(lora_core.gpt2_config("tiny", vocab_size=64), None,
+                           base=lora_core.init_gpt2_weights(lora_core.gpt2_config("tiny", vocab_size=64), 0))  # fmt: skip
+    with pytest.raises(ValueError, match="--compile 'nonsense': not a torch.compile backend; choose from"):
+        bk.set_compile(model, True, "nonsense")
+    for extra, words in ((["--compile", ""], "--compile: give a torch.compile backend"),
+                         (["--compile", "aot_eager", "--quantize", "nf4"], "--compile with --quantize nf4 is not supported")):
+        with pytest.raises(SystemExit):
+            train_cli.main(["--recipe", "toy", "--train", "x", "--valid", "y", "--random-init", "tiny", "--out-dir",
+                            str(tmp_path / "o"), *extra])  # fmt: skip
+        assert words in capsys.readouterr().err

@@ -209,7 +209,6 @@ def test_outputs_that_would_overwrite_inputs_are_refused(tmp_path, capsys):
     """``decode``'s and ``beam``'s outputs apart from their inputs and from each other, checked
     before any work; ``lora-eval --per-instance`` is not one of the files it scores."""
     from eval.cli import main as lora_eval
-
     from lora_core.data.nlg import check_outputs_apart
 
     beam, refs = tmp_path / "beam.jsonl", tmp_path / "refs"

@@ -128,7 +128,22 @@ def _padded_mask(mask, rows: int, dev) -> torch.Tensor:
 def set_compile(model, enabled: bool = True, backend: str = "inductor") -> None:
     """Run ``train_step``'s forward passes and loss through ``torch.compile`` (one graph per
     shape bucket, ``lora_core.train.buckets``); ``backend``: the dynamo backend (``aot_eager``
-    compiles fast, for tests). The same updates as eager up to float rounding."""
+    compiles fast, for tests). The same updates as eager up to float rounding where dropout is
+    off or its masks come from numpy (``dropout_masks="numpy"``); the framework's dropout draws
+    its masks inside the compiled graph, from another random stream than eager's (statistically
+    the same run, not the same numbers).
+
+    Raises:
+        ValueError: ``backend`` is not one of dynamo's backends; the model has a 4-bit base
+            (its bitsandbytes kernels are found and called through ctypes, which dynamo cannot
+            trace)."""
+    if enabled:
+        known = sorted(torch._dynamo.list_backends(exclude_tags=()))
+        if not isinstance(backend, str) or backend not in known:
+            raise ValueError(f"--compile {backend!r}: not a torch.compile backend; choose from {known}")
+        if any(getattr(m, "is_4bit", False) for m in model.modules()):
+            raise ValueError("--compile with a 4-bit base (--quantize nf4) is not supported: its dequantization "
+                             "calls bitsandbytes' kernels through ctypes, which torch.compile cannot trace; drop one")
     model.compiled_loss = CompiledLoss(backend) if enabled else None
 
 

@@ -392,13 +392,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids.reshape(-1) if dense else ids.reshape(-1).index_select(0, tok))
         unpad = (None, None, B, T) if dense else (tok, pad, B, T)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
-        trim = (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
+        # (is_compiling first: dynamo cannot trace heap.available's ctypes lookup of the C library)
+        trim = (not torch.compiler.is_compiling() and self.training and torch.is_grad_enabled()
+                and x.device.type == "cpu"
                 and heap.wanted(recompute, any(getattr(m, "is_4bit", False) for m in self.modules()))
-                and heap.available() and not torch.compiler.is_compiling())  # fmt: skip
+                and heap.available())  # fmt: skip
         points = heap.trim_points(len(self.model.layers)) if trim else None
         for i, layer in enumerate(self.model.layers):
             x = TrimHeap.apply(x, *points[i]) if trim and any(points[i]) else x
-            if recompute and layer.mlp_frozen() and not torch.is_autocast_enabled(x.device.type):
+            # (compiled: the plain checkpoint; dynamo's checkpoint refuses FrozenMLP's skip flag, a side effect)
+            if (recompute and layer.mlp_frozen() and not torch.is_autocast_enabled(x.device.type)
+                    and not torch.compiler.is_compiling()):  # fmt: skip
                 x = checkpointed_frozen_mlp(layer, x, rope, unpad)  # the MLP's backward in pieces of tokens
             elif recompute and layer.down_keeps_nothing():  # recompute up to down_proj: 26% fewer GEMMs at Llama widths
                 x, h = checkpointed_to(layer.before_down, layer, x, rope, unpad)

@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.vocab_size and not args.random_init:
         parser.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
+    if args.compile is not None and not args.compile.strip():
+        parser.error("--compile: give a torch.compile backend (inductor, aot_eager), or the option alone for inductor")
+    if args.compile and getattr(args, "quantize", None):
+        parser.error("--compile with --quantize nf4 is not supported (bitsandbytes' kernels are called through ctypes, "
+                     "which torch.compile cannot trace): drop one")
 
     def body(job) -> str:
         # bad input is refused before any work: the run folder, then the data (read whole, strictly)
