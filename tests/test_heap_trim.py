@@ -43,6 +43,7 @@ def _calls_per_step(bk, m, cfg, monkeypatch):
     batch = collate([(list(rng.integers(1, cfg.vocab_size, 5)), list(rng.integers(1, cfg.vocab_size, 4))) for _ in range(2)])
     calls = []
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    m.train()  # as train_step does (a loaded model comes in evaluation mode)
     with monkeypatch.context() as mp:
         mp.setenv("LORA_MALLOC_TRIM", "0")
         m.zero_grad(set_to_none=True)
