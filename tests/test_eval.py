@@ -376,3 +376,9 @@ def test_paraphrase_subset_with_hypotheses_keeps_ref_hyp_pairs(tmp_path, monkeyp
     assert paraphrase.subset_table(table, refs + hyps, out) == 5  # either phrase anywhere
     # METEOR's field split (Java's String.split drops trailing empty fields)
     assert _texts(["SCORE ||| a|||b ||| c |||", "SCORE ||| r ||| "]) == ([" a b ", " r "], [" c ", " "])
+
+
+def test_multi_bleu_detok_line_with_no_hypothesis_token():
+    """Every hypothesis empty: BLEU 0 and a brevity penalty of 0 (the Perl script divides by zero)."""
+    line = multi_bleu_detok_line(["", ""], [["a pub ."], ["a cafe ."]])
+    assert line.startswith("BLEU = 0.00, 0.0/0.0/0.0/0.0 (BP=0.000, ratio=0.000, hyp_len=0, ref_len=6)"), line
