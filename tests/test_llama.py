@@ -336,6 +336,11 @@ def test_captured_decode_step_gives_generate_beams(checkpoints, kind):
         out, static = captured_search(model, ctxs, bc, 3, rec)
         assert out == ref and static.captures == 1 and rec.replays == bc.max_new_tokens - 1
     limit, name = (64, "sliding_window") if kind == "mistral" else (128, "max_position_embeddings")
+    # a prompt whose rounded-up capacity plus the new slots passes the limit, the positions read not
+    near = [[1 + i % (V - 1) for i in range(limit - 12)]]
+    bc = BeamConfig(beam=2, max_new_tokens=10, no_repeat_ngram_size=0, stop_ids=())
+    assert bt.beam_search(model, near, bc, decode_step="captured") == bt.beam_search(model, near, bc, decode_step="eager") \
+        == [_hf_generate(hf, near[0], num_beams=2)]  # fmt: skip
     long = [[1 + i % (V - 1) for i in range(limit - 6)], [3, 4]]
     for step in ("eager", "captured"):
         with pytest.raises(ValueError, match=f"exceeds? {name}={limit}"):

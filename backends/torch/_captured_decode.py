@@ -106,6 +106,7 @@ class StaticDecoder:
         self.model, self.slots = model, max_new_tokens
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
         self.graphs: dict[tuple[int, int], tuple[Callable[[], object], torch.Tensor]] = {}
+        self._kept: dict[tuple[int, int], object] = {}  # per recording: the tensors it reads that the model may drop
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         self.recorder = recorder if recorder is not None else CUDAGraphRecorder() if on_cuda else None
@@ -131,6 +132,9 @@ class StaticDecoder:
             key = (cache.rows.shape[0], cache.capacity)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(cache)
+                # the RoPE table the recording reads stays alive while the graph may replay it (a
+                # later shape can grow the model's table, which frees the old one's memory)
+                self._kept[key] = getattr(self.model, "_rope", None)
             replay, out = self.graphs[key]
             replay()  # the step itself (the warm-ups and the recording changed nothing)
         cache.advance()
@@ -160,7 +164,8 @@ class StaticDecoder:
                 return model.lm_logits(model.ln_f(x)[:, -1]).float()
             # the Llama family: RoPE looked up at each row's position, the table sized for the
             # shape's last slot (grown, if at all, by the warm-up runs, before the recording)
-            rope = model.rope(pos, cache.capacity + cache.slots)
+            # (the capacity is rounded up: never past the model's positions, which no row reads)
+            rope = model.rope(pos, min(cache.capacity + cache.slots, model.config.max_position_embeddings))
             x = model.model.embed_tokens(cache.tokens)
             for i, layer in enumerate(model.model.layers):
                 x, _ = layer(x, rope, (cache, i), None)
