@@ -238,3 +238,92 @@ def test_loaded_model_is_in_evaluation_mode(backend, tmp_path):
     assert np.array_equal(first, second)
     assert_close(f"{backend.NAME} loaded (eval mode) vs peft", first, to_numpy(pm(torch.from_numpy(ids)).logits.detach()),
                  1e-5, floor=1.0)  # fmt: skip
+
+
+def _bert(num_labels=2):
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=48, max_position_embeddings=32, num_labels=num_labels)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg).eval()
+
+
+def test_any_model_embeddings_as_peft_or_refused_by_name():
+    """torch ``inject_lora`` on any model: an Embedding subclass (its own forward) and one with
+    ``max_norm`` are refused by name; ``scale_grad_by_freq`` is kept (peft's gradients); LoRA on a
+    BERT embedding merges (no tied head: the logits unchanged)."""
+    bt = lc.get_backend("torch")
+    nn = torch.nn
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    for first, words in ((Scaled(V, 8), r"\['0 \(Scaled\)'\]"), (nn.Embedding(V, 8, max_norm=1.0), "Embedding with max_norm")):
+        model = nn.Sequential(first, nn.Linear(8, 4))
+        with pytest.raises(TargetError, match=words):
+            bt.inject_lora(model, LoRATargetConfig(r=2, alpha=4, target_modules=("0",)))
+        assert type(model[0]) is type(first) and not hasattr(model, "lora_injection")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(V, 8, scale_grad_by_freq=True), nn.Linear(8, 4))
+    theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0"],
+                                                                         init_lora_weights=False))  # fmt: skip
+    bt.inject_lora(model, LoRATargetConfig(r=2, alpha=4, target_modules=("0",)))
+    with torch.no_grad():
+        model[0].lora_A.copy_(theirs.base_model.model[0].lora_embedding_A["default"])
+        model[0].lora_B.copy_(theirs.base_model.model[0].lora_embedding_B["default"])
+    ids = torch.tensor([[3, 3, 3, 3, 5, 7]])
+    model(ids).sum().backward()
+    theirs(ids).sum().backward()
+    assert_close("scale_grad_by_freq: lora_A grad vs peft", to_numpy(model[0].lora_A.grad),
+                 to_numpy(theirs.base_model.model[0].lora_embedding_A["default"].grad), 1e-6)  # fmt: skip
+    bert = _bert()
+    bt.inject_lora(bert, LoRATargetConfig(r=2, alpha=4, target_modules=("word_embeddings", "query")))
+    _randomize(bert)
+    ids = torch.from_numpy(_ids())
+    before = bert(input_ids=ids).logits.detach()
+    bt.merge_lora(bert)
+    assert_close("BERT embedding LoRA merged vs unmerged", bert(input_ids=ids).logits.detach(), before, 1e-5, floor=1.0)
+
+
+def test_a_failed_injection_leaves_the_model_as_it_was():
+    """A 4-bit layer in ``modules_to_save`` is refused before any module is replaced."""
+    from backends.torch.quant import LoRALinear4bit
+    from lora_core.quant.nf4 import quantize_nf4
+
+    bt = lc.get_backend("torch")
+    nn = torch.nn
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    q = LoRALinear4bit(quantize_nf4(lin.weight.detach().numpy()), nn.Parameter(lin.bias.detach().clone()))
+    model = nn.Sequential(q, nn.ReLU(), nn.Linear(64, 8))
+    with pytest.raises(TargetError, match=r"matches 4-bit layer\(s\) \['0'\]"):
+        bt.inject_lora(model, LoRATargetConfig(r=2, alpha=4, target_modules=("2",), modules_to_save=("0",)))
+    assert type(model[2]) is nn.Linear and not hasattr(model, "lora_injection")
+    assert bt.inject_lora(model, LoRATargetConfig(r=2, alpha=4, target_modules=("2",))) == ["2"]
+
+
+def test_peft_folders_of_the_same_meaning_load(tmp_path):
+    """A peft SEQ_CLS adapter with ``bias="all"`` (peft also writes its wrapper's copies of the
+    head's bias) loads with peft's logits; a model reloads its own peft save although peft wrote
+    its targets in another order and no seed."""
+    bt = lc.get_backend("torch")
+    base = _bert()
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"], bias="all",
+        init_lora_weights=False)).eval()  # fmt: skip
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if p.requires_grad and "lora_" not in n:
+                p.add_(0.1)
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = copy.deepcopy(base)
+    bt.load_lora_adapter(ours, tmp_path / "peft")
+    ids = torch.from_numpy(_ids())
+    assert_close("bias=all SEQ_CLS adapter vs peft", ours(input_ids=ids).logits.detach(),
+                 theirs(input_ids=ids).logits.detach(), 1e-5, floor=1.0)  # fmt: skip
+    m = copy.deepcopy(base)
+    bt.inject_lora(m, LoRATargetConfig(r=4, alpha=8, target_modules=("value", "query"), seed=3))
+    _randomize(m)
+    bt.save_lora_adapter(m, tmp_path / "own", format="peft")
+    assert bt.load_lora_adapter(m, tmp_path / "own") == ["bert.encoder.layer.0.attention.self.query",
+                                                         "bert.encoder.layer.0.attention.self.value"]  # fmt: skip

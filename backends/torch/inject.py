@@ -51,7 +51,9 @@ def _lora_kind(m: nn.Module) -> str | None:
 
 
 def _plain_kind(m: nn.Module) -> str | None:
-    if isinstance(m, LoRAEmbedding) or (isinstance(m, nn.Embedding) and m.max_norm is None):
+    # exact types, as for Linear: a subclass (BART's scaled embedding, OPT's learned positions) has
+    # a forward of its own that LoRAEmbedding would not run
+    if isinstance(m, LoRAEmbedding) or (type(m) is nn.Embedding and m.max_norm is None and not m.sparse):
         return "embedding"
     if type(m) in (nn.Linear, LoRALinear, LoRALinear4bit):
         return "linear"
@@ -62,6 +64,8 @@ def _plain_kind(m: nn.Module) -> str | None:
 
 def _describe(m: nn.Module, adapted_ok: bool = False):
     """``lora_core.lora.injection.describe_module`` with this backend's layer classes."""
+    if type(m) is nn.Embedding and (m.max_norm is not None or m.sparse):  # what the refusal names
+        return f"Embedding with {'max_norm (its rows renormalised in place)' if m.max_norm is not None else 'sparse=True'}"
     return describe_module(m, _lora_kind, _plain_kind, adapted_ok)
 
 
@@ -73,7 +77,8 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
     bias = getattr(old, "bias", None) is not None
     with torch.device("meta"):  # no throw-away allocation of the base-sized weight
         if plan.kind == "embedding":
-            new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None))
+            new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None),
+                                getattr(old, "scale_grad_by_freq", False))
         elif plan.enable is not None:
             cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
             new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)

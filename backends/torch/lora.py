@@ -240,10 +240,11 @@ class LoRAEmbedding(nn.Module):
     """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0,
-                 padding_idx: int | None = None):
+                 padding_idx: int | None = None, scale_grad_by_freq: bool = False):
         super().__init__()
         self.r = r
         self.padding_idx = padding_idx  # its row of W and of A^T gets no gradient (nn.Embedding's, peft's)
+        self.scale_grad_by_freq = scale_grad_by_freq  # gradients divided by each id's count in the batch
         self.weight = nn.Parameter(torch.zeros(num_embeddings, embedding_dim))
         self.scaling = alpha / r if r else 0.0
         self.merged = False
@@ -252,9 +253,10 @@ class LoRAEmbedding(nn.Module):
             self.lora_B = nn.Parameter(torch.zeros(embedding_dim, r))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        y = F.embedding(ids, self.weight, self.padding_idx)
+        y = F.embedding(ids, self.weight, self.padding_idx, scale_grad_by_freq=self.scale_grad_by_freq)
         if self.r and not self.merged:
-            y = y + (F.embedding(ids, self.lora_A.t(), self.padding_idx) @ self.lora_B.t()) * self.scaling
+            a = F.embedding(ids, self.lora_A.t(), self.padding_idx, scale_grad_by_freq=self.scale_grad_by_freq)
+            y = y + (a @ self.lora_B.t()) * self.scaling
         return y
 
     def delta_weight(self) -> torch.Tensor:

@@ -133,7 +133,7 @@ def load(
     wpath = path / pf.PEFT_WEIGHTS
     if not wpath.is_file() and (path / "adapter_model.bin").is_file():
         wpath = path / "adapter_model.bin"
-    raw = read_tensors(wpath)
+    raw = _without_peft_wrapper_copies(read_tensors(wpath), wpath)
     keys = {pf.peft_key(n, inj.plans, module_prefix): n for n in expected}
     # peft also saves the base weights of targeted embedding layers (``save_embedding_layers``,
     # e.g. a resized vocabulary): when present they replace the model's, as peft loads them
@@ -178,6 +178,22 @@ def refuse_peft_tied_head(model, inj: Injection, where) -> None:
             "embedding out of the adapter")
 
 
+def _without_peft_wrapper_copies(raw: dict, wpath) -> dict:
+    """peft with ``bias="all"`` and ``modules_to_save`` also writes the biases inside its wrapper of
+    each saved module: ``X.modules_to_save.bias`` (the trained one again, beside ``X.bias``) and
+    ``X.original_module.bias`` (the base module's, which the adapted model does not use). They are
+    dropped where ``X.bias`` is there; a ``modules_to_save`` copy that differs from it is an error."""
+    out = dict(raw)
+    for key in raw:
+        for part in (".modules_to_save.", ".original_module."):
+            plain = key.replace(part, ".", 1)
+            if part in key and plain in raw:
+                if part == ".modules_to_save." and not np.array_equal(raw[key], raw[plain]):
+                    raise CheckpointError(f"{wpath}: {key} differs from {plain}: which is the trained tensor?")
+                out.pop(key, None)
+    return out
+
+
 def save_model_adapter(model, path: str | os.PathLike, describe, to_numpy, format: AdapterFormat = "lora_core",
                        base: str | None = None) -> None:
     """The backends' ``save_lora_adapter``: the trainable set of an injected model (or of a
@@ -208,7 +224,7 @@ def load_model_adapter(model, path: str | os.PathLike, describe, replace, mark_t
             inj = injection.plan(model, cfg, describe, match_prefix=prefix if fmt == "peft" else saved_prefix)
         except TargetError as e:
             raise TargetError(f"{Path(path) / ADAPTER_CONFIG}: {e}") from e
-    elif inj.config != cfg:
+    elif inj.config.meaning() != cfg.meaning():
         raise TargetError(f"{path}: adapter config {cfg} differs from the model's injected {inj.config}")
     if fmt == "peft":
         refuse_peft_tied_head(model, inj, Path(path) / ADAPTER_CONFIG)

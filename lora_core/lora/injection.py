@@ -143,7 +143,10 @@ def plan(model, config, describe, match_prefix: str = "") -> Injection:
 
 
 def apply(model, record: Injection, replace, b_std: float = 0.0) -> Injection:
-    """Replace every planned module, with seeded initial values (``init_lora_arrays``)."""
+    """Replace every planned module, with seeded initial values (``init_lora_arrays``); what
+    would be refused after (a 4-bit layer in ``modules_to_save``) is refused first, the model
+    unchanged."""
+    record.refuse_frozen_saved([n for n, m in model.named_modules() if getattr(m, "is_4bit", False)])
     modules = dict(model.named_modules())
     values = init_lora_arrays(record.plans, record.config.seed, b_std)
     for name, p in record.plans.items():

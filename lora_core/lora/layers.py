@@ -25,9 +25,10 @@ def merge_lora(model) -> None:
             layer's weight is held by another module as well (a transformers model's tied
             ``lm_head`` and input embedding): merging would change that module's output."""
     layers = lora_layers(model)
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and any(
-            type(m).__name__ == "LoRAEmbedding" for m in layers):  # fmt: skip
-        raise ValueError("merge_lora: the LM head is tied to embed_tokens, which has LoRA: merging would change "
+    tied = getattr(model, "tied_embedding", None)  # ours: the embedding a tied head reads (transformers': shared)
+    if tied and not getattr(model, "tied_head_adds_lora", False) and any(
+            m is dict(model.named_modules()).get(tied) for m in layers):  # fmt: skip
+        raise ValueError(f"merge_lora: the LM head is tied to {tied}, which has LoRA: merging would change "
                          "the head too (other logits); keep the adapter unmerged, or adapt an untied model")
     shared = _shared_weights(model, layers)
     if shared:

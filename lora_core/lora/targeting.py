@@ -136,6 +136,17 @@ class LoRATargetConfig:
             d["target_modules"] = tuple(d["target_modules"])
         return cls(**d)
 
+    def meaning(self) -> LoRATargetConfig:
+        """The config with what does not change the adapted model left out, for comparing two:
+        name lists as sets (peft writes ``target_modules`` as a set), ``seed`` (initial values
+        only: a loaded adapter brings its own)."""
+        def as_set(v):
+            return v if isinstance(v, str) else tuple(sorted(set(v)))
+
+        return dataclasses.replace(self, target_modules=as_set(self.target_modules),
+                                   exclude_modules=as_set(self.exclude_modules),
+                                   modules_to_save=as_set(self.modules_to_save), seed=0)  # fmt: skip
+
     @classmethod
     def from_gpt2(cls, lora: LoRAConfig) -> LoRATargetConfig:
         """The same adaptation as GPT-2's ``LoRAConfig`` (its targets are dotted suffixes;
