@@ -548,7 +548,7 @@ def test_merge_refused_where_the_head_is_tied_to_an_adapted_embedding(backend):
         ids = _ids()[0]
         before = to_numpy(model(ids)[0])
         if tied:
-            with pytest.raises(ValueError, match="tied to embed_tokens, which has LoRA"):
+            with pytest.raises(ValueError, match="tied to model.embed_tokens, which has LoRA"):
                 backend.merge_lora(model)
         else:
             backend.merge_lora(model)
