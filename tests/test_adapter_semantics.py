@@ -327,3 +327,30 @@ def test_peft_folders_of_the_same_meaning_load(tmp_path):
     bt.save_lora_adapter(m, tmp_path / "own", format="peft")
     assert bt.load_lora_adapter(m, tmp_path / "own") == ["bert.encoder.layer.0.attention.self.query",
                                                          "bert.encoder.layer.0.attention.self.value"]  # fmt: skip
+
+
+def test_embedding_gradient_rules_jittor_equal_torch():
+    """``LoRAEmbedding`` with ``padding_idx`` and ``scale_grad_by_freq`` (torch's ``F.embedding``
+    rules, peft's): jittor's gradients of the table and of A equal torch's."""
+    bj, bt = lc.get_backend("jittor"), lc.get_backend("torch")
+    import jittor as jt
+
+    from backends.jittor.lora import LoRAEmbedding as JEmbedding
+    from backends.torch.lora import LoRAEmbedding as TEmbedding
+
+    rng = np.random.default_rng(0)
+    W, A, B = (rng.normal(size=s).astype(np.float32) for s in ((10, 4), (2, 10), (4, 2)))
+    ids, g = np.array([[3, 3, 3, 0, 5, 0]]), rng.normal(size=(1, 6, 4)).astype(np.float32)
+    t = TEmbedding(10, 4, 2, 4.0, padding_idx=0, scale_grad_by_freq=True)
+    with torch.no_grad():
+        for p, v in ((t.weight, W), (t.lora_A, A), (t.lora_B, B)):
+            p.copy_(torch.from_numpy(v))
+    (t(torch.from_numpy(ids)) * torch.from_numpy(g)).sum().backward()
+    j = JEmbedding(10, 4, 2, 4.0, padding_idx=0, scale_grad_by_freq=True)
+    for p, v in ((j.weight, W), (j.lora_A, A), (j.lora_B, B)):
+        p.assign(jt.array(v))
+    gw, ga = jt.grad((j(jt.array(ids)) * jt.array(g)).sum(), [j.weight, j.lora_A])
+    assert not t.weight.grad[0].any() and t.weight.grad[3].abs().max() > 0
+    assert_close("jittor embedding grad (padding, by frequency)", gw.numpy(), t.weight.grad, 1e-6)
+    assert_close("jittor lora_A grad (padding, by frequency)", ga.numpy(), t.lora_A.grad, 1e-6)
+    assert bj.NAME == "jittor" and bt.NAME == "torch"

@@ -279,3 +279,29 @@ def test_commands_refuse_lora_input_to_full_ft(toy, tmp_path, capsys):
     _refused(cls_cli.main, ["--method", "full", "--prepared", str(prepared), "--base", str(adapter),
                             "--out-dir", str(tmp_path / "o4")], capsys, f"--base {adapter}: {why}")
     assert not any((tmp_path / f"o{k}").exists() for k in range(1, 5))
+
+
+def test_saved_configs_keep_qwen2_window_layers_and_label_names(tmp_path):
+    """A full fine-tuning checkpoint's config.json means the base's model to transformers: Qwen2's
+    window on the layers the base gives it (``max_window_layers``/``layer_types``; with no such
+    layer there is no window, and ours refuses no length), DistilBERT's label names."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from lora_core.models.distilbert import DistilBertConfig
+    from lora_core.models.llama import LlamaConfig
+    from lora_core.train.full_ft import hf_config
+
+    d = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    cfg = LlamaConfig.from_hf_dict(d)
+    base = transformers.Qwen2Config(**{k: v for k, v in d.items() if k != "model_type"})
+    saved = transformers.Qwen2Config(**{k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "model_type")})
+    assert cfg.sliding_window == 4 and list(saved.layer_types) == list(base.layer_types) == [
+        "full_attention", "sliding_attention", "sliding_attention"]  # fmt: skip
+    assert LlamaConfig.from_hf_dict(dict(d, max_window_layers=3)).sliding_window is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "distilbert", "id2label": {"0": "negative", "1": "positive"}}))
+    dcfg = DistilBertConfig.from_hf_json(tmp_path / "config.json")
+    assert dcfg.label_names == ("negative", "positive")
+    assert hf_config(dcfg)["id2label"] == {0: "negative", 1: "positive"} and hf_config(dcfg)["label2id"]["positive"] == 1
+    assert DistilBertConfig.from_hf_json(tmp_path / "config.json", num_labels=3).label_names is None  # a new head

@@ -179,12 +179,20 @@ class LoRAMergedLinear(LoRALinear):
         return jt.concat(rows, dim=0) * self.scaling
 
 
-def _lookup(table: jt.Var, ids: jt.Var, padding_idx: int | None) -> jt.Var:
-    """``table[ids]``; the rows of ``padding_idx`` tokens pass no gradient back to the table
-    (torch's ``F.embedding(..., padding_idx)``): the same values, the gradient of a copy cut
-    from the graph at those positions."""
+def _lookup(table: jt.Var, ids: jt.Var, padding_idx: int | None, scale_grad_by_freq: bool = False) -> jt.Var:
+    """``table[ids]``; the rows of ``padding_idx`` tokens pass no gradient back to the table, and
+    with ``scale_grad_by_freq`` each row's gradient is divided by its id's count in ``ids``
+    (torch's ``F.embedding``): the same values, the gradient of a copy cut from the graph at the
+    padding positions, scaled by a factor elsewhere."""
     rows = table[ids]
-    if padding_idx is None or jt.flags.no_grad or not table.requires_grad:
+    if (padding_idx is None and not scale_grad_by_freq) or jt.flags.no_grad or not table.requires_grad:
+        return rows
+    if scale_grad_by_freq:
+        flat = ids.reshape(-1)
+        counts = jt.zeros((table.shape[0],), dtype="float32").scatter_(0, flat, jt.ones(flat.shape), reduce="add")
+        f = (1.0 / counts[flat]).reshape(ids.shape).unsqueeze(-1).stop_grad()
+        rows = rows.detach() + (rows - rows.detach()) * f  # values unchanged, gradients / count
+    if padding_idx is None:
         return rows
     pad = (ids == padding_idx).unsqueeze(-1)
     return jt.where(pad, rows.detach(), rows)  # (stop_grad() would cut the graph of rows itself)
@@ -194,9 +202,10 @@ class LoRAEmbedding(nn.Module):
     """``W[ids] + scaling * A^T[ids] B^T``; A (r, vocab), B (dim, r) (loralib ``Embedding``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, r: int = 0, alpha: float = 1.0,
-                 padding_idx: int | None = None):
+                 padding_idx: int | None = None, scale_grad_by_freq: bool = False):
         self.r = r
         self.padding_idx = padding_idx  # its row of W and of A^T gets no gradient (torch's nn.Embedding, peft's)
+        self.scale_grad_by_freq = scale_grad_by_freq  # gradients divided by each id's count in the batch
         self.weight = jt.zeros((num_embeddings, embedding_dim))
         self.scaling = alpha / r if r else 0.0
         self.merged = False
@@ -205,9 +214,10 @@ class LoRAEmbedding(nn.Module):
             self.lora_B = jt.zeros((embedding_dim, r))
 
     def execute(self, ids: jt.Var) -> jt.Var:
-        y = _lookup(self.weight, ids, self.padding_idx)
+        y = _lookup(self.weight, ids, self.padding_idx, self.scale_grad_by_freq)
         if self.r and not self.merged:
-            y = y + nn.matmul_transpose(_lookup(self.lora_A.transpose(), ids, self.padding_idx), self.lora_B) * self.scaling
+            a = _lookup(self.lora_A.transpose(), ids, self.padding_idx, self.scale_grad_by_freq)
+            y = y + nn.matmul_transpose(a, self.lora_B) * self.scaling
         return y
 
     def delta_weight(self) -> jt.Var:

@@ -53,12 +53,19 @@ class DistilBertConfig:
     num_labels: int = 2
     pad_token_id: int = 0
     initializer_range: float = 0.02
+    # the classes' names (config.json's id2label), kept into a full fine-tuning checkpoint; None: LABEL_i
+    label_names: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_position_embeddings", "dim", "n_layers", "n_heads", "hidden_dim", "num_labels"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"DistilBertConfig.{name} must be a positive int, got {v!r}")
+        if self.label_names is not None:
+            object.__setattr__(self, "label_names", tuple(self.label_names))
+            if len(self.label_names) != self.num_labels:
+                raise ValueError(f"DistilBertConfig.label_names: {len(self.label_names)} names for "
+                                 f"{self.num_labels} labels")  # fmt: skip
         if self.dim % self.n_heads:
             raise ValueError(f"DistilBertConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}")
         for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
@@ -80,9 +87,17 @@ class DistilBertConfig:
                 f"{path}: sinusoidal_pos_embds={d.get('sinusoidal_pos_embds')!r}, "
                 f"activation={d.get('activation')!r}: only learned positions and gelu are implemented"
             )
-        keys = [f.name for f in dataclasses.fields(cls) if f.name != "num_labels"]
+        keys = [f.name for f in dataclasses.fields(cls) if f.name not in ("num_labels", "label_names")]
         labels = num_labels or (len(d["id2label"]) if "id2label" in d else d.get("num_labels", 2))
-        return cls(**{k: d[k] for k in keys if k in d}, num_labels=labels)
+        names = None
+        if isinstance(d.get("id2label"), dict) and len(d["id2label"]) == labels:  # (another count: a new head)
+            try:
+                names = tuple(str(d["id2label"][k]) for k in sorted(d["id2label"], key=int))
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: id2label keys must be the label ids 0..{labels - 1}") from None
+            if names == tuple(f"LABEL_{i}" for i in range(labels)):
+                names = None
+        return cls(**{k: d[k] for k in keys if k in d}, num_labels=labels, label_names=names)
 
 
 PRESETS = {

@@ -77,6 +77,10 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # attention window (Mistral); None: full causal attention
+    # Qwen2: which layers transformers gives the window ("sliding_attention") and which not (its
+    # ``layer_types``, or ``max_window_layers`` on): kept so that a saved config.json means the same
+    # model; ours refuses any sequence past the window, whichever layers have it. None: every layer's
+    layer_types: tuple[str, ...] | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = 1
     eos_token_id: int | list | None = 2
@@ -101,6 +105,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         pad = self.pad_token_id
         if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool)
                                 or not -self.vocab_size <= pad < self.vocab_size):  # fmt: skip
@@ -156,13 +162,23 @@ class LlamaConfig:
         window = None
         if mt == "mistral":
             window = d.get("sliding_window")
-        elif mt == "qwen2" and (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])):
-            window = d.get("sliding_window")
+        layer_types = None
+        if mt == "qwen2":  # transformers' Qwen2Config: the window on the layers from max_window_layers on
+            n, first = d.get("num_hidden_layers", 0), d.get("max_window_layers", 28)
+            on = d.get("use_sliding_window") and d.get("sliding_window") is not None
+            layer_types = d.get("layer_types") or ["sliding_attention" if on and i >= first else "full_attention"
+                                                    for i in range(n)]  # fmt: skip
+            if not isinstance(layer_types, list) or len(layer_types) != n or \
+                    not set(layer_types) <= {"full_attention", "sliding_attention"}:  # fmt: skip
+                raise ValueError(f"{where}: layer_types {layer_types!r}: expected {n} of 'full_attention', "
+                                 f"'sliding_attention'")  # fmt: skip
+            window = d.get("sliding_window") if "sliding_attention" in layer_types else None
+            layer_types = tuple(layer_types) if window is not None else None
         # transformers' Mistral has no biases, its Qwen2 q, k and v biases only: their fields are
         # Llama's alone (``attention_bias`` on q, k, v, o; ``mlp_bias``)
         attention_bias = mt == "llama" and bool(d.get("attention_bias", False))
         fields = dict(
-            model_type=mt, rope_theta=float(theta), rope_scaling=scaling, sliding_window=window,
+            model_type=mt, rope_theta=float(theta), rope_scaling=scaling, sliding_window=window, layer_types=layer_types,
             qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
             mlp_bias=mt == "llama" and bool(d.get("mlp_bias", False)), head_dim=d.get("head_dim") or 0,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -199,6 +215,10 @@ class LlamaConfig:
             d.update(sliding_window=self.sliding_window)
         else:
             d.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
+            if self.sliding_window is not None:
+                types = list(self.layer_types or ("sliding_attention",) * self.num_hidden_layers)
+                first = types.index("sliding_attention")
+                d.update(layer_types=types, max_window_layers=first)
         return d
 
 

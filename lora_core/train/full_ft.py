@@ -49,10 +49,10 @@ def hf_config(cfg) -> dict:
             "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "float32",
         }
     if isinstance(cfg, DistilBertConfig):
-        labels = {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
+        labels = dict(enumerate(cfg.label_names or [f"LABEL_{i}" for i in range(cfg.num_labels)]))
         return {
             "architectures": ["DistilBertForSequenceClassification"], "model_type": "distilbert",
-            **{k: v for k, v in cfg.to_dict().items() if k != "num_labels"},
+            **{k: v for k, v in cfg.to_dict().items() if k not in ("num_labels", "label_names")},
             "activation": "gelu", "sinusoidal_pos_embds": False, "qa_dropout": 0.1, "tie_weights_": True,
             "id2label": labels, "label2id": {v: k for k, v in labels.items()}, "torch_dtype": "float32",
         }

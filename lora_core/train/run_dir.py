@@ -270,6 +270,9 @@ def _with_defaults(saved: dict, run: dict | None = None) -> dict:
     saved = dict(saved, task=saved.get("task", "lm"))
     if run is not None and "valid_data" not in saved and "valid_data" in run:
         saved["valid_data"] = run["valid_data"]
+    if run is not None and isinstance(saved.get("model"), dict) and isinstance(run.get("model"), dict):
+        # model config fields added since (LlamaConfig.layer_types, DistilBertConfig.label_names)
+        saved["model"] = {**{k: v for k, v in run["model"].items() if k not in saved["model"]}, **saved["model"]}
     if isinstance(saved.get("train"), dict):
         merged = {**TrainConfig().to_dict(), **saved["train"]}
         saved["train"] = {k: v for k, v in merged.items() if k != "zero"}  # the ZeRO stage may change on resume
