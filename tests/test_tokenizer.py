@@ -195,3 +195,24 @@ def test_load_errors(tmp_path):
     bare.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match=r"tokenizer.json: eos token '<\|endoftext\|>' is not in the vocabulary \(the end"):
         load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_tokenizer_json_settings_do_not_cut_and_prompts_get_the_bos(tmp_path):
+    """A tokenizer.json saved with truncation or padding settings still encodes whole texts and
+    unpadded batches (transformers switches them off unless asked); a prompt gets what the
+    post-processor puts first (Llama 3's BOS), the text task's documents do not."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+
+
+    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "[UNK]": 2, "a": 3, "b": 4, "c": 5, "d": 6}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", 0)])  # fmt: skip
+    backend.enable_truncation(max_length=2)
+    backend.enable_padding(pad_id=1, pad_token="<|end_of_text|>", length=6)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path / "tokenizer.json", "<|end_of_text|>")
+    assert tok.encode("a b c d") == [3, 4, 5, 6] and tok.encode_batch(["a b c d", "a"]) == [[3, 4, 5, 6], [3]]
+    assert tok.encode_prompt("a b") == [0, 3, 4]

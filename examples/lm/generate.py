@@ -6,7 +6,9 @@ KV cache, in either backend::
     python -m examples.lm.generate ... --beam 4 --prompts-file prompts.txt   # one prompt a line
     python -m examples.lm.generate ... --adapter runs/qlora --quantize nf4    # a QLoRA adapter on its 4-bit base
 
-Generation stops at the tokenizer's end-of-text token or after ``--max-new-tokens``.
+Generation stops at the tokenizer's end-of-text token or after ``--max-new-tokens``. A prompt
+starts with what the tokenizer's post-processor puts first (Llama 3's ``<|begin_of_text|>``,
+Llama 2's ``<s>``; nothing for GPT-2), as transformers' ``tokenizer(prompt)`` does.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
     check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
     backend.to_device(model, device)
-    contexts = [tok.encode(p) for p in prompts]
-    empty = [i for i, c in enumerate(contexts) if not c]
+    empty = [i for i, p in enumerate(prompts) if not tok.encode(p)]
     if empty:
         raise ValueError(f"prompt {empty[0] + 1} is empty")
+    contexts = [tok.encode_prompt(p) for p in prompts]  # with the BOS a Llama tokenizer puts first
     longest, P = max(len(c) for c in contexts), max_positions(model)
     if longest >= P:  # room for one new token at least: the prompt's P - 1 positions read, one predicted
         raise ValueError(f"the longest prompt ({longest} tokens) leaves no room in the model's {P} positions: "

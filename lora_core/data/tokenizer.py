@@ -39,6 +39,10 @@ class Tokenizer:
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
+        # a tokenizer.json may carry truncation or padding settings: they would cut texts or pad a
+        # batch's ids here (transformers switches them off per call unless asked): off
+        backend.no_truncation()
+        backend.no_padding()
         self.backend = backend
         eos_id = backend.token_to_id(eos_token)
         if eos_id is None:
@@ -52,6 +56,16 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """BPE ids of ``text``; no special tokens added."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """:meth:`encode` with what the tokenizer's post-processor puts before the text (Llama 3's
+        ``<|begin_of_text|>``, Llama 2's ``<s>``), as transformers' ``tokenizer(prompt)`` gives a
+        generation; an end-of-text token it would append is left out (generation continues the text)."""
+        ids = self.backend.encode(text, add_special_tokens=True).ids
+        plain = self.encode(text)
+        if ids[-1:] == [self.eos_id] and plain[-1:] != [self.eos_id]:
+            ids = ids[:-1]
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode` over many texts at once (multi-threaded in ``tokenizers``)."""
