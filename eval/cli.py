@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -103,14 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     metrics = args.metrics
     start = time.perf_counter()
+    refs = [args.ref] if args.task == "e2e" else _ref_paths(args, parser)
     if args.per_instance:  # written after scoring: it must not be one of the files scored
-        inputs = [args.hyp] + ([args.ref] if args.task == "e2e" else list(getattr(args, "refs", None) or []))
-        same = [p for p in inputs if p and Path(p).resolve() == Path(args.per_instance).resolve()]
-        prefix = getattr(args, "ref_prefix", None)
-        out = Path(args.per_instance).resolve()
-        if prefix and out.parent == Path(prefix).resolve().parent and re.fullmatch(
-                re.escape(Path(prefix).name) + r"\d+", out.name):  # one of the files P0 .. P{N-1}  # fmt: skip
-            same.append(args.per_instance)
+        same = [p for p in [args.hyp, *refs] if Path(p).resolve() == Path(args.per_instance).resolve()]
         if same:
             print(f"lora-eval: --per-instance {args.per_instance}: is an input ({same[0]}): it would be overwritten; "
                   f"give another path", file=sys.stderr)  # fmt: skip
@@ -119,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.task == "e2e":
             scores = score_e2e(args.ref, args.hyp, per_instance=True, metrics=metrics)
         else:
-            paths = _ref_paths(args, parser)
-            scores = score_webnlg(paths, args.hyp, per_instance=True, metrics=metrics)
+            scores = score_webnlg(refs, args.hyp, per_instance=True, metrics=metrics)
     except EvalInputError as exc:
         print(f"lora-eval: input error: {exc}", file=sys.stderr)
         return 2

@@ -234,12 +234,19 @@ def mteval_e2e(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> MtevalResu
     return MtevalResult(bleu, nist, seg_bleu, seg_nist)
 
 
+def _brevity_penalty(hyp_len: int, ref_len: int) -> float:
+    """multi-bleu-detok.perl's ``exp(1 - r/h)`` below the reference length, else 1; no hypothesis
+    token: 0, the limit as h -> 0 (where the Perl script divides by zero)."""
+    if hyp_len >= ref_len:
+        return 1.0
+    return math.exp(1 - ref_len / hyp_len) if hyp_len else 0.0
+
+
 def _multi_bleu(correct: Sequence[int], total: Sequence[int], hyp_len: int, ref_len: int) -> float:
     """multi-bleu-detok.perl's final formula, 0-100; 0 where the script gives up."""
     if ref_len == 0 or hyp_len == 0:
         return 0.0
-    # (no hypothesis token: the limit of exp(1 - r/h) as h -> 0, where the Perl script divides by zero)
-    bp = (math.exp(1 - ref_len / hyp_len) if hyp_len else 0.0) if hyp_len < ref_len else 1.0
+    bp = _brevity_penalty(hyp_len, ref_len)
     logs = 0.0
     for n in range(1, 5):
         p = correct[n] / total[n] if total[n] else 0.0
@@ -302,8 +309,7 @@ def multi_bleu_detok_line(hyps: Sequence[str], refs: Sequence[Sequence[str | Non
     if ref_len == 0:
         return "BLEU = 0, 0/0/0/0 (BP=0, ratio=0, hyp_len=0, ref_len=0)"
     prec = [100 * correct[n] / total[n] if total[n] else 0.0 for n in range(1, 5)]
-    # (no hypothesis token: the limit of exp(1 - r/h) as h -> 0, where the Perl script divides by zero)
-    bp = (math.exp(1 - ref_len / hyp_len) if hyp_len else 0.0) if hyp_len < ref_len else 1.0
+    bp = _brevity_penalty(hyp_len, ref_len)
     return (
         f"BLEU = {_multi_bleu(correct, total, hyp_len, ref_len):.2f}, {'/'.join(f'{p:.1f}' for p in prec)} "
         f"(BP={bp:.3f}, ratio={hyp_len / ref_len:.3f}, hyp_len={hyp_len}, ref_len={ref_len})"

@@ -80,7 +80,8 @@ def _replace(parent: nn.Module, child: str, old: nn.Module, plan: LayerPlan, val
         return
     bias = getattr(old, "bias", None) is not None
     if plan.kind == "embedding":
-        new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None))
+        new = LoRAEmbedding(plan.in_features, plan.out_features, plan.r, plan.alpha, getattr(old, "padding_idx", None),
+                            getattr(old, "scale_grad_by_freq", False))
     elif plan.enable is not None:
         cls = LoRAMergedConv1D if plan.kind == "conv1d" else LoRAMergedLinear
         new = cls(plan.in_features, plan.out_features, plan.r, plan.alpha, dropout, plan.enable, bias)
@@ -108,7 +109,6 @@ def mark_only_lora_trainable(model: nn.Module) -> None:
     """Train exactly what the injected config trains (LoRA, its biases, ``modules_to_save``).
     jittor's ``eval()``/``train()`` remember trainability once: that memory is reset here."""
     inj = require_injection(model)
-    inj.refuse_frozen_saved([n for n, m in model.named_modules() if isinstance(m, LoRALinear4bit)])
     names = set(inj.trainable(n for n, _ in model.named_parameters()))
     for n, p in model.named_parameters():
         p.requires_grad = n in names

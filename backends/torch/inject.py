@@ -117,7 +117,6 @@ def inject_lora(model: nn.Module, config) -> list[str]:
 def mark_only_lora_trainable(model: nn.Module) -> None:
     """Train exactly what the injected config trains (LoRA, its biases, ``modules_to_save``)."""
     inj = require_injection(model)
-    inj.refuse_frozen_saved([n for n, m in model.named_modules() if isinstance(m, LoRALinear4bit)])
     names = set(inj.trainable(n for n, _ in model.named_parameters()))
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)

@@ -64,11 +64,12 @@ def read_splits(prepared: Path, model_config) -> dict:
     return out
 
 
-def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict) -> dict:
-    """Predict the ``dev`` and ``test`` splits found in ``prepared`` into
-    ``OUT/{split}_predictions.tsv``; ``metrics`` plus the dev accuracy go to ``OUT/metrics.json``."""
+def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict, splits: dict | None = None) -> dict:
+    """Predict the ``dev`` and ``test`` splits found in ``prepared`` (``splits``: ``read_splits``'
+    result when read already) into ``OUT/{split}_predictions.tsv``; ``metrics`` plus the dev
+    accuracy go to ``OUT/metrics.json``."""
     metrics = dict(metrics)
-    for path, (ids, labels, indices) in read_splits(prepared, model.config).items():
+    for path, (ids, labels, indices) in (splits or read_splits(prepared, model.config)).items():
         split = path.stem
         pred = predict(bk, model, ids)
         rows = "".join(f"{i}\t{p}\n" for i, p in zip(indices or range(len(pred)), pred))  # test: GLUE's indices

@@ -90,7 +90,7 @@ def run(
     train_ex, dev_ex = read_split(prepared, "train"), read_split(prepared, "dev")
     backend = lora_core.get_backend(backend_name)
     model = build(backend, base, recipe, quantize)
-    read_splits(prepared, model.config)  # the splits predicted after training fit the model (before it trains)
+    splits = read_splits(prepared, model.config)  # the splits predicted after training fit the model: checked first
     backend.to_device(model, device)
     backend.set_grad_checkpoint(model, grad_checkpoint)
     summary = train(
@@ -115,7 +115,7 @@ def run(
                                                        **(quantize or {}))
             backend.to_device(model, device)
         meta = {"backend": backend_name, "recipe": recipe.name, "base": str(base), "adapter": summary["checkpoint"]}
-        summary["metrics"] = write_predictions(backend, model, prepared, Path(out_dir), meta)
+        summary["metrics"] = write_predictions(backend, model, prepared, Path(out_dir), meta, splits)
     return summary
 
 

@@ -61,9 +61,9 @@ class Tokenizer:
         """:meth:`encode` with what the tokenizer's post-processor puts before the text (Llama 3's
         ``<|begin_of_text|>``, Llama 2's ``<s>``), as transformers' ``tokenizer(prompt)`` gives a
         generation; an end-of-text token it would append is left out (generation continues the text)."""
-        ids = self.backend.encode(text, add_special_tokens=True).ids
-        plain = self.encode(text)
-        if ids[-1:] == [self.eos_id] and plain[-1:] != [self.eos_id]:
+        enc = self.backend.encode(text, add_special_tokens=True)
+        ids = enc.ids
+        if ids[-1:] == [self.eos_id] and enc.special_tokens_mask[-1]:  # the post-processor's, not the text's
             ids = ids[:-1]
         return ids
 

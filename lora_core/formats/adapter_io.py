@@ -20,6 +20,7 @@ import numpy as np
 
 from ..lora import injection
 from ..lora.injection import Injection
+from ..lora.layers import weight_sharers
 from ..lora.targeting import LoRATargetConfig, TargetError, in_saved_module
 from . import peft_format as pf
 from .checkpoint import (
@@ -161,16 +162,11 @@ def refuse_peft_tied_head(model, inj: Injection, where) -> None:
             bad.append(f"{tied} has LoRA, which the tied LM head reads too")
         if in_saved_module(prefix + tied + ".weight", saves):
             bad.append(f"{tied} is in modules_to_save, and the tied LM head reads the trained table")
-    owners: dict[int, list[str]] = {}
-    for name, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if w is not None and not isinstance(w, (int, float)):
-            owners.setdefault(id(w), []).append(name)
-    for names in owners.values():
-        if len(names) > 1:
-            saved = [n for n in names if in_saved_module(prefix + n + ".weight", saves)]
-            if saved:
-                bad.append(f"{saved[0]} is in modules_to_save and shares its weight with {sorted(set(names) - {saved[0]})}")
+    for group in weight_sharers(model):
+        names = [n for n, _ in group]
+        saved = [n for n in names if in_saved_module(prefix + n + ".weight", saves)]
+        if saved:
+            bad.append(f"{saved[0]} is in modules_to_save and shares its weight with {sorted(set(names) - {saved[0]})}")
     if bad:
         raise CheckpointError(
             f"{where}: a peft adapter here would not give peft's logits: {'; '.join(bad)} (peft keeps a tied "

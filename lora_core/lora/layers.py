@@ -26,8 +26,9 @@ def merge_lora(model) -> None:
             ``lm_head`` and input embedding): merging would change that module's output."""
     layers = lora_layers(model)
     tied = getattr(model, "tied_embedding", None)  # ours: the embedding a tied head reads (transformers': shared)
-    if tied and not getattr(model, "tied_head_adds_lora", False) and any(
-            m is dict(model.named_modules()).get(tied) for m in layers):  # fmt: skip
+    tied_module = dict(model.named_modules()).get(tied) if tied else None
+    if tied_module is not None and not getattr(model, "tied_head_adds_lora", False) and any(
+            m is tied_module for m in layers):  # fmt: skip
         raise ValueError(f"merge_lora: the LM head is tied to {tied}, which has LoRA: merging would change "
                          "the head too (other logits); keep the adapter unmerged, or adapt an untied model")
     shared = _shared_weights(model, layers)
@@ -38,19 +39,25 @@ def merge_lora(model) -> None:
         m.merge()
 
 
-def _shared_weights(model, layers) -> str:
-    """The LoRA layers whose weight another module of ``model`` holds too (a transformers model's
-    ``lm_head`` tied to its input embedding), described, or ``""``."""
-    ids = {id(m) for m in layers}
-    owners: dict[int, list[tuple[str, bool]]] = {}
+def weight_sharers(model) -> list[list[tuple[str, object]]]:
+    """The groups of ``model``'s modules that hold one weight tensor between them (a transformers
+    model's ``lm_head`` tied to its input embedding), each as ``(name, module)`` pairs."""
+    owners: dict[int, list[tuple[str, object]]] = {}
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
         if w is not None and not isinstance(w, (int, float)):
-            owners.setdefault(id(w), []).append((name, id(m) in ids))
+            owners.setdefault(id(w), []).append((name, m))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _shared_weights(model, layers) -> str:
+    """The LoRA layers whose weight another module of ``model`` holds too (``weight_sharers``),
+    described, or ``""``."""
+    ids = {id(m) for m in layers}
     return "; ".join(
-        f"{', '.join(n for n, lora in names if lora)} (LoRA) shares its weight with "
-        f"{', '.join(n for n, lora in names if not lora) or 'another LoRA layer'}"
-        for names in owners.values() if len(names) > 1 and any(lora for _, lora in names))  # fmt: skip
+        f"{', '.join(n for n, m in group if id(m) in ids)} (LoRA) shares its weight with "
+        f"{', '.join(n for n, m in group if id(m) not in ids) or 'another LoRA layer'}"
+        for group in weight_sharers(model) if any(id(m) in ids for _, m in group))  # fmt: skip
 
 
 def unmerge_lora(model) -> None:
