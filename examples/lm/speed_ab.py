@@ -68,17 +68,41 @@ def summarise(times: dict[str, list[float]], tokens: int, level: float = 0.9) ->
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_options(p: argparse.ArgumentParser, rounds: int, rounds_help: str) -> None:
+    """The options of a one-process comparison (this command's and ``examples.lm.step_profile``'s):
+    the bench's shape, batch, method, rounds and threads."""
     p.add_argument("--shape", default="llama-bench", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--method", default="lora", help="a one-process method of the bench: " + ", ".join(ONE_PROCESS))
-    p.add_argument("--systems", default="ours-torch,hf-peft", help="comma-separated, the first is the one compared with the others")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each system), after one untimed round")
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
     p.add_argument("--threads", type=int, default=1)
+
+
+def check_run_options(p: argparse.ArgumentParser, a) -> None:
+    if a.method not in ONE_PROCESS:
+        p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+
+
+def start_run(a):
+    """The process's thread count set (before torch runs anything), then the run's environment,
+    model config, tokens per step and token rows (the bench's seed)."""
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    cfg = shape_config(a.shape, a.layers, a.vocab)
+    return environment(), cfg, a.batch * a.block, token_rows(cfg.vocab_size, (a.batch, a.block + 1), SEED + 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_options(p, rounds=20, rounds_help="timed rounds (one step of each system), after one untimed round")
+    p.add_argument("--systems", default="ours-torch,hf-peft", help="comma-separated, the first is the one compared with the others")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: every system's forward under torch.autocast (the GPU bench's setting; on a CPU a "
                         "proxy of the host work of its steps at small widths)")
@@ -88,19 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         p.error(f"--systems {a.systems!r}: two or three different systems of {', '.join(SYSTEMS)}")
-    if a.method not in ONE_PROCESS:
-        p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
-    if a.rounds < 1:
-        p.error("--rounds must be at least 1")
-
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)
-    import torch
-
-    torch.set_num_threads(a.threads)
-    env = environment()
-    cfg = shape_config(a.shape, a.layers, a.vocab)
-    tokens = a.batch * a.block
-    rows = token_rows(cfg.vocab_size, (a.batch, a.block + 1), SEED + 1)
+    check_run_options(p, a)
+    env, cfg, tokens, rows = start_run(a)
     with tempfile.TemporaryDirectory(prefix="speed_ab_") as tmp:
         files = write_inputs(cfg, Path(tmp))
         systems, batches, loss0 = {}, {}, {}

@@ -30,19 +30,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from ..bench_worker import environment, environment_line
+from ..bench_worker import environment_line
 from ..nlg.bench import code_version
 from .bench import gemm_peak, train_flops_per_token, write_inputs
-from .bench_shapes import SHAPES, describe, shape_config
+from .bench_shapes import describe
 from .bench_shapes import targets as targets_of
-from .bench_systems import SEED, make_system, token_rows
-from .speed_ab import ONE_PROCESS
+from .bench_systems import make_system
+from .speed_ab import add_run_options, check_run_options, start_run
 
 SYSTEMS = ("ours-torch", "hf-peft")
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation"})
@@ -114,15 +113,8 @@ def _profiled_step(system, batch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-bench", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
-    p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--method", default="lora", help="a one-process method of the bench: " + ", ".join(ONE_PROCESS))
+    add_run_options(p, rounds=5, rounds_help="rounds after one untimed round: a plain and a profiled step of each")
     p.add_argument("--systems", default="ours-torch,hf-peft", help="two of " + ", ".join(SYSTEMS) + ", ours first")
-    p.add_argument("--rounds", type=int, default=5, help="rounds after one untimed round: a plain and a profiled step of each")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--target", type=float, default=1.1, help="the tokens/s ratio over the second system to test (1.1)")
     p.add_argument("--peak-fraction", type=float, default=0.9, help="the fraction of the GEMM peak to test (0.9)")
     p.add_argument("--json", default=None, help="write the settings, every step's figures and the summary here")
@@ -130,21 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [s.strip() for s in a.systems.split(",") if s.strip()]
     if len(names) != 2 or len(set(names)) != 2 or any(n not in SYSTEMS for n in names):
         p.error(f"--systems {a.systems!r}: two different systems of {', '.join(SYSTEMS)}")
-    if a.method not in ONE_PROCESS:
-        p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)}")
-    if a.rounds < 1:
-        p.error("--rounds must be at least 1")
+    check_run_options(p, a)
     if a.target <= 0 or not 0 < a.peak_fraction <= 1:
         p.error("--target must be positive and --peak-fraction in (0, 1]")
 
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)
-    import torch
-
-    torch.set_num_threads(a.threads)
-    env = environment()
-    cfg = shape_config(a.shape, a.layers, a.vocab)
-    tokens = a.batch * a.block
-    rows = token_rows(cfg.vocab_size, (a.batch, a.block + 1), SEED + 1)
+    env, cfg, tokens, rows = start_run(a)
     plain: dict[str, list[float]] = {n: [] for n in names}
     profiled: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
