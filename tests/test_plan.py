@@ -31,7 +31,8 @@ from lora_core.plan.validate import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = PRESETS["tiny-llama"]
+# tiny-llama's widths with room for the planner's default 256-token rows (the preset stops at 128)
+TINY = dataclasses.replace(PRESETS["tiny-llama"], max_position_embeddings=1024)
 N_TINY = sum(int(np.prod(s)) for s in base_shapes(TINY).values())
 
 
@@ -400,10 +401,48 @@ def test_cli_defaults_per_family_and_refusals(capsys):
         main(["--model", str(ROOT / "docs")])
     assert "docs: a folder without a config.json" in capsys.readouterr().err
     # sizes with three significant figures, whatever the model's size
-    assert main(["--model", "tiny-llama", "--method", "full"]) == 0
+    assert main(["--model", "tiny-llama", "--method", "full", "--seq", "128"]) == 0
     out = capsys.readouterr().out
-    n = plan(PRESETS["tiny-llama"], PlanConfig(method="full")).params
+    n = plan(PRESETS["tiny-llama"], PlanConfig(method="full", seq=128)).params
     assert f"{n / 1e3:.3g} k parameters, {n / 1e3:.3g} k trainable" in out and " kFLOP (" in out, out
+
+
+@pytest.mark.parametrize("model, seq, words", [
+    ("tiny", 129, "seq 129: sequence of 129 tokens exceeds n_positions=128"),
+    ("tiny-llama", 129, "exceeds max_position_embeddings=128"),
+    ("tiny-mistral", 65, "exceeds sliding_window=64"),
+])  # fmt: skip
+def test_cli_refuses_a_sequence_the_model_cannot_run(model, seq, words, capsys):
+    """As the model's forward pass refuses it (a plan of a run no system can make is no plan);
+    at the limit itself the plan is printed."""
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model, "--seq", str(seq)])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert main(["--model", model, "--seq", str(seq - 1)]) == 0
+
+
+def test_cli_precision_help_names_what_bf16_keeps(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "keeps every weight fp32 (bf16 copies per product), the others (ours-jittor, gpu) hold the frozen weights in bf16" in helptext
+    for system, held in (("ours-torch", False), ("ours-jittor", True), ("gpu", True)):
+        w = [plan(PRESETS["llama-bench"], PlanConfig(system=system, precision=p)) for p in ("fp32", "bf16")]
+        assert (w[1].weights + w[1].mapped < 0.6 * (w[0].weights + w[0].mapped)) == held, system
+
+
+def test_validate_refuses_a_hold_out_that_names_no_row_and_files_that_are_not_bench_files(tmp_path, capsys):
+    from lora_core.plan.validate import main as validate_main
+
+    path = BENCH_JSONS[0]
+    with pytest.raises(SystemExit) as e:
+        validate_main(["--fit", "--hold-out", "no-such-shape", str(path)])
+    assert e.value.code == 2 and "--hold-out 'no-such-shape': no row has that shape label or file name" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    for bad, words in ((tmp_path / "other.json", "not a methods bench JSON"), (tmp_path / "missing.json", "cannot read it")):
+        with pytest.raises(SystemExit) as e:
+            validate_main([str(bad)])
+        assert e.value.code == 2 and f"{bad}: {words}" in capsys.readouterr().err
 
 
 def test_cli_heap_trim_mode(capsys):
@@ -547,7 +586,7 @@ def test_cli_zero_engine_and_jittor_stage_3(capsys):
         weights[engine] = float(next(ln for ln in out.splitlines() if ln.strip().startswith("weights")).split()[1])
     assert weights["fsdp2"] == pytest.approx(1.5 * weights["deepspeed"], rel=1e-3)
     with pytest.raises(SystemExit):
-        main(["--model", "tiny-llama", "--zero", "3", "--ranks", "2", "--system", "ours-jittor"])
+        main(["--model", "tiny-llama", "--zero", "3", "--ranks", "2", "--system", "ours-jittor", "--seq", "128"])
     assert "stage 3 is not available in ours-jittor" in capsys.readouterr().err
 
 
@@ -576,7 +615,7 @@ def test_autocast_systems_keep_fp32_state_and_bf16_activations():
     """bf16 for an autocast system (ours-torch, the benches' hf-peft, their CUDA twins) keeps
     float32 weights, gradients and AdamW moments (16 bytes per full-FT parameter, no bf16 copy)
     and counts the activations in bf16; the generic ``gpu`` system holds bf16 weights."""
-    cfg = llama_config("tiny-llama")
+    cfg = TINY
     for system in ("ours-torch", "ours-torch-cuda", "hf-peft-cuda"):
         p32 = plan(cfg, PlanConfig(method="full", system=system))
         p16 = plan(cfg, PlanConfig(method="full", precision="bf16", system=system))

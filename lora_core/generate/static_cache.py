@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..models.gpt2 import check_length as gpt2_check_length
 from ..models.llama import check_length
 from .masks import MASK_VALUE
 
@@ -82,7 +83,4 @@ def check_room(P: int, step: int, cfg) -> None:
     refused past GPT-2's ``n_positions``, or where a Llama family's own check refuses it
     (``models.llama.check_length``: ``max_position_embeddings``, ``sliding_window``)."""
     total = P + step + 1
-    if hasattr(cfg, "num_key_value_heads"):
-        check_length(cfg, total)
-    elif total > cfg.n_positions:
-        raise ValueError(f"sequence of {total} tokens exceeds n_positions={cfg.n_positions}")
+    (check_length if hasattr(cfg, "num_key_value_heads") else gpt2_check_length)(cfg, total)

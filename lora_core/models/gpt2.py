@@ -201,6 +201,12 @@ def gpt2_config(name: str, **overrides) -> GPT2Config:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def check_length(cfg: GPT2Config, total: int) -> None:
+    """Refuse a sequence past the learned position table (transformers' GPT-2 fails on it)."""
+    if total > cfg.n_positions:
+        raise ValueError(f"sequence of {total} tokens exceeds n_positions={cfg.n_positions}")
+
+
 def _checked_kwargs(cls, d: dict) -> dict:
     keys = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - keys)

@@ -48,7 +48,10 @@ def parser() -> argparse.ArgumentParser:
                         f"{','.join(DEFAULT_TARGETS['llama'])} for the Llama family, {','.join(DEFAULT_TARGETS['gpt2'])} "
                         "for GPT-2)")
     p.add_argument("--r", type=int, default=None, help=f"LoRA rank (None: {DEFAULT_R})")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="activations' (and frozen weights') precision")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="bf16: activations in bf16; a system that runs its forward under autocast ("
+                        + ", ".join(k for k, v in SYSTEMS.items() if v.autocast) + ") keeps every weight fp32 "
+                        "(bf16 copies per product), the others (" + ", ".join(k for k, v in SYSTEMS.items() if not v.autocast)
+                        + ") hold the frozen weights in bf16")
     p.add_argument("--gc", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--zero", type=int, default=0, help=f"ZeRO stage, one of {STAGES}")
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks")

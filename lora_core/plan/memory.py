@@ -358,6 +358,17 @@ class Plan:
     allocator: str = ""  # the allocator the run resolves to ("tcmalloc", "glibc, heap trim per layer on"; "": not modelled)
 
 
+def check_sequence(cfg, seq: int) -> None:
+    """Refuse a sequence length the model cannot run (as its forward pass refuses it): GPT-2's
+    ``n_positions``, a Llama family's ``max_position_embeddings`` and ``sliding_window``."""
+    from ..models import gpt2, llama
+
+    try:
+        (llama.check_length if isinstance(cfg, llama.LlamaConfig) else gpt2.check_length)(cfg, seq)
+    except ValueError as e:
+        raise ValueError(f"seq {seq}: {e}") from None
+
+
 def arch_of(cfg) -> Arch:
     """``Arch`` of a ``LlamaConfig`` or ``GPT2Config``; anything else: ``ValueError``."""
     from ..models.gpt2 import GPT2Config
@@ -571,6 +582,7 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     """The per-rank peak of one training run (module docstring); ``cfg`` a model config;
     ``sysm``: a ``System`` in place of ``SYSTEMS[c.system]`` (fitting its constants)."""
     a = arch_of(cfg)
+    check_sequence(cfg, c.seq)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
     quantized_base = c.method == "qlora"
     allocator = ""  # what the run's allocator resolves to (systems with a heap trim)

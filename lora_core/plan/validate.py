@@ -6,7 +6,10 @@ Command::
 
     python -m lora_core.plan.validate docs/bench/lm_methods_*.json          # the table, per-shape max |error|
     python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json    # least-squares constants
-    python -m lora_core.plan.validate --fit --hold-out llama-3.2-1b docs/bench/lm_methods_*.json
+    python -m lora_core.plan.validate --fit --hold-out "llama-3.2-1b 1x256" docs/bench/lm_methods_*.json
+
+``--hold-out`` takes shape labels as the table prints them (the shape with its batch, e.g.
+``llama-3.2-1b 1x256``) or file names; one that names no row is refused.
 
 The ZeRO runs (``docs/bench/lm_zero_*.json``, rows ``-z2``/``-z3``) are checked the same way;
 their ZeRO rows are never fitted.
@@ -226,9 +229,14 @@ def bench_rows(paths) -> list[dict]:
     measured peak anonymous MB (rows in ``SUPERSEDED`` or without a measurement left out)."""
     out = []
     for path in map(Path, paths):
-        d = json.loads(path.read_text())
-        s = d["settings"]
-        for key, runs in d["raw"].items():
+        try:
+            d = json.loads(path.read_text())
+            s, raw = d["settings"], d["raw"]
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot read it: {e}") from None
+        except (KeyError, TypeError):
+            raise ValueError(f"{path}: not a methods bench JSON (no 'settings' and 'raw')") from None
+        for key, runs in raw.items():
             system, _, method = key.partition(" ")
             anon = [r["train_peak_anon_mb"] for r in runs if r.get("train_peak_anon_mb") is not None]
             if not anon or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
@@ -369,8 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-out", default="", help="comma-separated shape labels or file names left out of the fit")
     p.add_argument("--loso", action="store_true", help="leave one shape out: fit on the others, report its error")
     args = p.parse_args(argv)
-    rows = bench_rows(args.paths)
-    held = {h for h in args.hold_out.split(",") if h}
+    try:
+        rows = bench_rows(args.paths)
+    except ValueError as e:
+        p.error(str(e))
+    held = {h.strip() for h in args.hold_out.split(",") if h.strip()}
+    unknown = sorted(held - {r["shape"] for r in rows} - {r["file"] for r in rows})
+    if unknown:
+        p.error(f"--hold-out {', '.join(map(repr, unknown))}: no row has that shape label or file name "
+                f"(shape labels: {', '.join(sorted({r['shape'] for r in rows}))})")
     if args.loso:
         for shape, errs in leave_one_shape_out([r for r in rows if r["shape"] not in held]).items():
             print(f"held out {shape:28s} " + "  ".join(f"{k} {v:4.1f}%" for k, v in errs.items()))
