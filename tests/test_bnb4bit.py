@@ -213,6 +213,71 @@ def test_jittor_matches_torch_over_20_qlora_updates(ckpts):
         assert_close("QLoRA jittor vs torch: LoRA weights after 20 updates", wj[n], wt[n], 1e-5)
 
 
+def _bnb_skipping(skip):
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                           bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_full_precision_weights_under_a_quantization_config_are_quantized(backend, ckpts, kind, tmp_path):
+    """A config.json with a quantization_config over full-precision weights: quantized while
+    loading, bit for bit as transformers quantizes the full-precision checkpoint given the same
+    BitsAndBytesConfig (what llm_int8_skip_modules names left out, by transformers' rule); ours
+    loaded them as a full-precision model before, with quantize='nf4' too. (transformers 5.24
+    loading such a folder by its config alone puts the float weights into its 4-bit modules
+    unquantized.)"""
+    from examples.lm.bench_systems import exact_4bit_inference
+
+    skip = ["lm_head", {"llama": "q_proj", "gpt2": "h.0.attn.c_attn"}[kind]]  # a suffix pattern
+    qc = _bnb_skipping(skip).to_dict()
+    d = _rewrite(ckpts[kind][0], tmp_path / "qc", None, lambda c: c.update(quantization_config=qc))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts[kind][0], device_map="cpu",
+                                                           quantization_config=_bnb_skipping(skip))
+    exact_4bit_inference(hf)
+    hf.eval()
+    deq = _hf_dequantized(hf)
+    assert len(deq) == {"llama": 14 - 2, "gpt2": 8 - 1}[kind]
+    for model in (backend.from_pretrained(d), backend.from_pretrained(d, quantize="nf4")):
+        for n, w in deq.items():
+            layer = _ours_layer(model, n)
+            assert type(layer).__name__ == "LoRALinear4bit", n
+            assert np.array_equal(_f32(layer.weight).view(np.uint32), w.view(np.uint32)), n
+        left = [n for n, m in model.named_modules() if n.endswith(("q_proj", "h.0.attn.c_attn"))
+                and type(m).__name__ != "LoRALinear4bit"]  # fmt: skip
+        assert len(left) == {"llama": 2, "gpt2": 1}[kind], left
+        ids = _ids()
+        with torch.no_grad():
+            ref = hf(torch.from_numpy(ids)).logits.numpy()
+        assert_close(f"quantized while loading under the config's quantization_config ({kind})",
+                     _logits(backend, model, ids), ref, 1e-5)
+
+
+def test_a_full_precision_projection_among_4bit_ones_is_quantized_too(backend, ckpts, tmp_path):
+    """A bitsandbytes checkpoint with one projection stored in full precision (and not skipped):
+    quantized while loading with the checkpoint's settings (it loaded half 4-bit before)."""
+    full = st.load_file(str(ckpts["llama"][0] / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def edit(t):
+        for k in [k for k in t if k.startswith(name)]:
+            del t[k]
+        t[name] = full[name]
+
+    d = _rewrite(ckpts["llama"][1], tmp_path / "partial", edit)
+    model = backend.from_pretrained(d)
+    whole = backend.from_pretrained(ckpts["llama"][1])
+    layer, ref = _ours_layer(model, name[: -len(".weight")]), _ours_layer(whole, name[: -len(".weight")])
+    assert type(layer).__name__ == "LoRALinear4bit"
+    assert np.array_equal(_f32(layer.weight).view(np.uint32), _f32(ref.weight).view(np.uint32))
+
+
+def test_loading_a_full_precision_checkpoint_as_4bit_without_quantize_says_so(ckpts):
+    from lora_core.quant.checkpoint4bit import load_4bit_checkpoint
+
+    with pytest.raises(ValueError, match="not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading"):
+        load_4bit_checkpoint(ckpts["llama"][0], quantize=None)
+
+
 def _rewrite(src, dst, edit_tensors=None, edit_config=None):
     dst.mkdir()
     t = st.load_file(str(src / "model.safetensors"))
@@ -240,6 +305,8 @@ def _set_qs(**kw):
 BAD = {
     "fp4": (None, lambda c: c["quantization_config"].update(bnb_4bit_quant_type="fp4"),
             ValueError, "bnb_4bit_quant_type 'fp4' is not supported; supported: bitsandbytes 4-bit NF4"),
+    "qc-list": (None, lambda c: c.update(quantization_config=["nf4"]), ValueError,
+                "quantization_config must be an object .transformers' BitsAndBytesConfig as JSON., got list"),
     "gptq": (None, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
              ValueError, "quant_method 'gptq' is not supported"),
     "awq": (None, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}),

@@ -279,6 +279,22 @@ def test_commands_refuse_lora_input_to_full_ft(toy, tmp_path, capsys):
     _refused(cls_cli.main, ["--method", "full", "--prepared", str(prepared), "--base", str(adapter),
                             "--out-dir", str(tmp_path / "o4")], capsys, f"--base {adapter}: {why}")
     assert not any((tmp_path / f"o{k}").exists() for k in range(1, 5))
+    # a bitsandbytes 4-bit checkpoint loads 4-bit without --quantize: a frozen base (it trained the
+    # embeddings and norms only, and saved checkpoints without the projections)
+    four = tmp_path / "four"
+    four.mkdir()
+    (four / "config.json").write_text('{"model_type": "llama", "quantization_config": {"quant_method": '
+                                      '"bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4"}}')
+    why4 = "a bitsandbytes 4-bit checkpoint (quantization_config in its config.json), a frozen base that " \
+           "--method full cannot train: use --method lora (QLoRA), or a full-precision checkpoint"
+    _refused(lm_cli.main, ["--method", "full", "--prepared", str(prepared), "--init-checkpoint", str(four),
+                           "--out-dir", str(tmp_path / "o5")], capsys, f"--init-checkpoint {four}: {why4}")
+    _refused(cls_cli.main, ["--method", "full", "--prepared", str(prepared), "--base", str(four),
+                            "--out-dir", str(tmp_path / "o6")], capsys, f"--base {four}: {why4}")
+    with_four = nlg[:i] + ["--init-checkpoint", str(four)] + nlg[i + 2 :]
+    with_four.remove("--vocab-size"), with_four.remove(str(toy["vocab_size"]))
+    _refused(nlg_cli.main, with_four, capsys, f"--init-checkpoint {four}: {why4}")
+    assert not any((tmp_path / f"o{k}").exists() for k in range(5, 7))
 
 
 def test_saved_configs_keep_qwen2_window_layers_and_label_names(tmp_path):

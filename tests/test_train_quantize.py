@@ -143,6 +143,23 @@ def test_nlg_qlora_differs_from_lora_and_matches_torch(backend, data):
                  _losses(_nlg_run(data, "torch", "--quantize", "nf4")), 1e-5)
 
 
+def test_nlg_trains_on_a_bitsandbytes_4bit_checkpoint_without_quantize(data, tmp_path):
+    """A bitsandbytes 4-bit checkpoint loads 4-bit without --quantize (as examples.lm.train loads
+    it): the NLG command injects its LoRA on it (it refused before, naming from_pretrained's
+    lora= argument), and trains the curve of the float32 base quantized by --quantize nf4."""
+    q_run = _nlg_run(data, "torch", "--quantize", "nf4")  # OUT/base: the float32 random init it quantized
+    bk = lc.get_backend("torch")
+    bk.save_quantized(bk.from_pretrained(q_run / "base", quantize="nf4"), tmp_path / "four")
+    args = toy_train_args(data["nlg"], tmp_path / "out", 4, NLG_SETTINGS)
+    i = args.index("--random-init")
+    args = args[:i] + ["--init-checkpoint", str(tmp_path / "four")] + args[i + 4:]  # without --vocab-size N
+    assert "--vocab-size" not in args
+    _run("examples.nlg.train", "--backend", "torch", *args)
+    assert_close("NLG QLoRA curve: a 4-bit checkpoint vs --quantize nf4 on its float32 base",
+                 _losses(tmp_path / "out"), _losses(q_run), 1e-6)
+    assert "quantize=nf4 double_quant=True" in (tmp_path / "out" / "train_config.json").read_text()
+
+
 def test_gpt2_per_slice_lora_on_4bit_base(backend, tmp_path):
     """GPT-2's LoRAConfig (q and v slices of the fused c_attn) injected on a 4-bit base gives
     the logits of the same LoRA on the dequantized float32 base."""

@@ -47,14 +47,23 @@ from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
 from lora_core.train.run_dir import check_out_dir
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, doc_summary, quantize_kwargs, with_quantize_note
+from ..run_options import (
+    add_run_options,
+    apply_run_options,
+    doc_summary,
+    loaded_quant,
+    quantize_kwargs,
+    with_quantize_note,
+)
 
 
 def build(backend, args, lora, comm):
     """The model (its LoRA injected on a 4-bit base) and a note of its base weights."""
     quant = quantize_kwargs(args)
+    # a 4-bit base: --quantize, or a bitsandbytes 4-bit checkpoint (it loads 4-bit without the options)
+    four_bit = bool(loaded_quant(args.init_checkpoint, quant) if args.init_checkpoint else quant)
     if args.init_checkpoint:
-        model = backend.from_pretrained(args.init_checkpoint, **quant) if quant else \
+        model = backend.from_pretrained(args.init_checkpoint, **quant) if four_bit else \
             backend.from_pretrained(args.init_checkpoint, lora=lora)
         want = lora_core.PRESETS.get(args.recipe_model)
         mismatched = want is not None and (model.config.n_embd, model.config.n_layer) != (want.n_embd, want.n_layer)
@@ -74,7 +83,7 @@ def build(backend, args, lora, comm):
         note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
         model = backend.from_pretrained(Path(args.out_dir) / "base", **quant) if quant else \
             backend.build_model(cfg, lora, base=base)
-    if quant and lora is not None:  # a 4-bit base takes LoRA by injection (the same q, v slices of c_attn)
+    if four_bit and lora is not None:  # a 4-bit base takes LoRA by injection (the same q, v slices of c_attn)
         backend.inject_lora(model, lora)
     return model, with_quantize_note(note, args, args.init_checkpoint)
 

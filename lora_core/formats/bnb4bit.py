@@ -42,8 +42,11 @@ def quantization_config(path: str | os.PathLike) -> dict | None:
     qc = read_json(cfg).get("quantization_config")
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
     supported = "supported: bitsandbytes 4-bit NF4 (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
+    if not isinstance(qc, dict):
+        raise ValueError(f"{cfg}: quantization_config must be an object (transformers' BitsAndBytesConfig as "
+                         f"JSON), got {type(qc).__name__}; {supported}")
+    method = qc.get("quant_method")
     if method != "bitsandbytes":
         raise ValueError(f"{cfg}: quantization_config quant_method {method!r} is not supported; {supported}")
     if not qc.get("load_in_4bit", qc.get("_load_in_4bit")):

@@ -12,6 +12,7 @@ in), which is our canonical layout; the tied LM head stays ``wte``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from ..formats.tensor_files import CheckpointError
 from ..models import gpt2 as _gpt2
 from ..models import llama as _llama
 from .nf4 import NF4State
-from .qlora import QuantConfig, quant_config, quantize_while_loading
+from .qlora import QuantConfig, is_quantized_weight, module_of, quant_config, quantize_while_loading
 
 _GPT2_PREFIX = "transformer."
 
@@ -101,9 +102,9 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
         raise ValueError(f"{path}: a 4-bit base is implemented for the Llama family, GPT-2 and DistilBERT, not {family}")
     qc = quantization_config(path)
     if qc is None:
-        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
-        if qcfg is None:
+        if quantize is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
+        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
         cfg, tensors = (_llama.load_llama_checkpoint(path, lazy=True) if family == "llama"
                         else _gpt2_full_precision(path))
         return family, cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
@@ -111,8 +112,40 @@ def load_4bit_checkpoint(path: str | os.PathLike, quantize: str | None = "nf4", 
     cfg_json = wpath.parent / "config.json"
     cfg, states, tensors, shapes = (_llama_raw if family == "llama" else _gpt2_raw)(wpath, cfg_json)
     qcfg = prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    quantize_stored_full_precision(cfg_json, qc, states, tensors, qcfg, _GPT2_PREFIX if family == "gpt2" else "")
     check_4bit_shapes(wpath, states, tensors, shapes)
     return family, cfg, states, tensors, qcfg
+
+
+def skipped_module(name: str, patterns, where) -> bool:
+    """Whether transformers leaves the module ``name`` (its full name in transformers' model)
+    unconverted for ``llm_int8_skip_modules`` ``patterns``: a pattern matching from the start up to
+    a module boundary, as a regular expression with that boundary, or as a suffix (transformers'
+    ``should_convert_module``)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    try:
+        return any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"{where}: quantization_config llm_int8_skip_modules {patterns!r}: not module names or "
+                         f"patterns ({e})") from None
+
+
+def quantize_stored_full_precision(where, qc: dict, states: dict, tensors: dict, qcfg: QuantConfig,
+                                   prefix: str = "") -> None:
+    """A checkpoint whose ``config.json`` carries a bitsandbytes ``quantization_config`` over
+    weights stored in full precision (all or some): each linear weight of the 4-bit set
+    (``qlora.is_quantized_weight``) is quantized while it loads, with the checkpoint's settings
+    (``qcfg``), unless ``llm_int8_skip_modules`` names its module (``prefix``: what transformers'
+    module names add to ours, ``transformer.`` for GPT-2): what transformers makes of the
+    full-precision weights given that ``BitsAndBytesConfig``. (transformers 5.24 loading such a
+    folder by its config alone puts the float weights into its 4-bit modules unquantized.) In
+    place, one tensor at a time."""
+    skip = qc.get("llm_int8_skip_modules") or []
+    if isinstance(skip, str):
+        skip = [skip]
+    full = [n for n in tensors if is_quantized_weight(n) and n not in states
+            and not skipped_module(prefix + module_of(n), skip, where)]  # fmt: skip
+    states.update(quantize_while_loading({n: tensors.pop(n) for n in full}, qcfg))
 
 
 def check_4bit_shapes(wpath, states: dict, tensors: dict, shapes: dict) -> None:

@@ -20,7 +20,7 @@ from ..formats.bnb4bit import quantization_config, split_bnb4bit
 from ..formats.hf_checkpoint import find_weights, read_hf_weights
 from ..formats.tensor_files import CheckpointError
 from ..models import distilbert as _db
-from .checkpoint4bit import assemble_4bit_model, check_4bit_shapes, prequantized_config
+from .checkpoint4bit import assemble_4bit_model, check_4bit_shapes, prequantized_config, quantize_stored_full_precision
 from .qlora import DISTILBERT_SKIP, quant_config, quantize_while_loading
 
 
@@ -66,15 +66,16 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
     """
     qc = quantization_config(path)
     if qc is None:
-        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
-        if qcfg is None:
+        if quantize is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
+        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
         cfg, tensors, has_head = _db.load_distilbert_checkpoint(path, num_labels=num_labels, lazy=True)
         if not has_head:
             tensors.update(_db.init_head(cfg, head_seed))
         return cfg, quantize_while_loading(tensors, qcfg), tensors, qcfg
-    cfg, states, tensors, _ = _prequantized(path, num_labels, head_seed)
+    cfg, states, tensors, wpath = _prequantized(path, num_labels, head_seed)
     qcfg = prequantized_config(path, qc, states, quantize, double_quant, compute_dtype, blocksize, explicit)
+    quantize_stored_full_precision(wpath.parent / "config.json", qc, states, tensors, qcfg)
     return cfg, states, tensors, qcfg
 
 
