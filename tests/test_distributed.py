@@ -216,6 +216,51 @@ def test_ranks_with_different_settings_are_refused(toy, backend, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_ranks_on_different_base_weights_are_refused(toy, backend, tmp_path):
+    """Each rank loads ``--init-checkpoint base`` from its own folder (as on two machines, each
+    with its copy of the files): the same path, so the same run configuration, but other
+    weights. Only the trained values are synchronised, so each rank would train against its own
+    frozen base; the weights' fingerprint (``weights_fingerprint``) differs and every rank says so."""
+    if backend.NAME != "torch":
+        pytest.skip("engine-independent: tested with torch (jittor's weights_fingerprint: tests/test_rank_agreement.py)")
+    import lora_core as lc
+
+    cfg = lc.gpt2_config("tiny", vocab_size=toy["vocab_size"])
+    for rank in (0, 1):
+        lc.save_model(tmp_path / f"rank{rank}" / "base", cfg, lc.init_gpt2_weights(cfg, rank))
+    args = toy_train_args(toy, tmp_path / "out", STEPS, SETTINGS)
+    i = args.index("--random-init")
+    args = args[:i] + ["--init-checkpoint", "base"] + args[i + 4:]  # without --vocab-size N
+    prog = ["sh", "-c", f'cd {tmp_path}/rank$RANK && exec "$@"', "sh", sys.executable, "-m", "examples.nlg.train",
+            "--backend", "torch", *args]  # fmt: skip
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh", *run, *prog], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=TIMEOUT)  # fmt: skip
+    assert r.returncode != 0
+    for rank in (0, 1):
+        want = (f"error: [rank {rank}/2] the model's weights as loaded (the base checkpoint: the same files on every "
+                "rank) differs between ranks: rank(s) [1]")
+        assert want in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_ranks_resuming_from_different_checkpoints_are_refused(runs, toy, backend, tmp_path):
+    """Each rank reads OUT/latest itself: with another --out-dir on rank 1 (a node-local folder),
+    rank 0 would resume at step 10 and rank 1 start over, and write a wrong checkpoint as
+    latest. Refused on every rank before any update."""
+    if backend.NAME != "torch":
+        pytest.skip("engine-independent: tested with torch")
+    shutil.copytree(runs["copy"], tmp_path / "o0")  # rank 0's OUT; rank 1's, o1, holds nothing
+    r = _launch("torch", 2, _train_args(toy, tmp_path / "o0") + ["--resume"], per_rank=f"--out-dir {tmp_path}/o$RANK")
+    assert r.returncode != 0
+    for rank in (0, 1):
+        want = f"error: [rank {rank}/2] resume: the ranks found different checkpoints in {tmp_path}/o{rank} "
+        assert want + "(rank 0: step 10, rank 1: no checkpoint)" in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "o0").glob("ckpt-*")) == ["ckpt-10"]
+    assert (tmp_path / "o0" / LATEST_FILE).read_text().strip() == "ckpt-10"
+
+
 def test_bad_jobs_fail_on_every_rank(runs, toy, backend, tmp_path):
     if backend.NAME != "torch":
         pytest.skip("engine-independent: tested with torch")

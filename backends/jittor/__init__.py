@@ -20,6 +20,7 @@ from .compile import set_compile
 from .device import peak_gpu_mb, reset_peak_gpu, to_device
 from .distributed import (
     all_reduce_sum,
+    check_zero,
     data_parallel,
     evaluation,
     full_parameters,
@@ -27,6 +28,7 @@ from .distributed import (
     parallel_adamw,
     parallel_train_step,
     shutdown_process_group,
+    weights_fingerprint,
 )
 from .generate import beam_search
 from .gpt2 import GPT2LMModel, KVCache, set_grad_checkpoint
@@ -80,7 +82,7 @@ __all__ = [
     "mark_only_lora_as_trainable", "merge_lora", "set_dropout_source", "train_step", "trainable_parameters", "unmerge_lora",
     # data parallelism (backends/*/distributed.py)
     "all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
-    "parallel_train_step", "shutdown_process_group",
+    "parallel_train_step", "shutdown_process_group", "check_zero", "weights_fingerprint",
     # device, precision, activation checkpointing, compiled step (device.py, precision.py, model.py, compile.py)
     "peak_gpu_mb", "reset_peak_gpu", "set_compile", "set_grad_checkpoint", "set_precision", "to_device",
 ]

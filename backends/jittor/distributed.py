@@ -17,7 +17,14 @@ import contextlib
 import jittor as jt
 import numpy as np
 
-from lora_core.train.distributed import DistributedError, World, pick_loss, shard_range
+from lora_core.train.distributed import (
+    DistributedError,
+    World,
+    pick_loss,
+    sample_positions,
+    shard_range,
+    weights_digest,
+)
 from lora_core.train.optim import pack_state, unpack_state
 
 from .classify import cls_loss
@@ -58,10 +65,8 @@ class _DataParallel:
         self.model, self.loss, self.zero = model, pick_loss(loss, lm_loss, cls_loss), zero
 
 
-def data_parallel(model, loss: str = "lm", zero: int = 0):
-    """A handle over ``model`` for ``parallel_train_step``; the trainable (LoRA) parameters
-    are broadcast from rank 0 once, so every rank starts from the same values. ``zero=2``:
-    the optimizer state is sharded (``parallel_adamw``); ``zero=3`` raises ValueError."""
+def check_zero(zero: int) -> None:
+    """Refuse a ZeRO stage this backend cannot run (jittor: 0 and 2; stage 3 by name)."""
     if zero == 3:
         raise ValueError(
             "--zero 3 (sharded parameters) is not available in the jittor backend: its MPI ops have no "
@@ -70,6 +75,30 @@ def data_parallel(model, loss: str = "lm", zero: int = 0):
         )
     if zero not in (0, 2):
         raise ValueError(f"data_parallel: zero must be 0, 2 or 3, got {zero!r}")
+
+
+def weights_fingerprint(model) -> str:
+    """``lora_core.train.distributed.weights_digest`` of every variable of ``model``'s state and
+    of its 4-bit layers' codes and scales (``_nf4``, kept out of the state as they are no
+    parameters); a few values each, gathered by index: no variable is copied whole to numpy."""
+    named = dict(model.state_dict())
+    for mname, m in model.named_modules():
+        for i, v in enumerate(getattr(m, "_nf4", None) or ()):
+            named[f"{mname}._nf4.{i}"] = v
+    items = []
+    with jt.no_grad():
+        for name, v in named.items():
+            idx = sample_positions(int(np.prod(v.shape, dtype=np.int64)))
+            values = v.reshape(-1)[jt.array(idx)] if len(idx) else v.reshape(-1)
+            items.append((name, tuple(v.shape), str(v.dtype), values.float32().numpy()))
+    return weights_digest(items)
+
+
+def data_parallel(model, loss: str = "lm", zero: int = 0):
+    """A handle over ``model`` for ``parallel_train_step``; the trainable (LoRA) parameters
+    are broadcast from rank 0 once, so every rank starts from the same values. ``zero=2``:
+    the optimizer state is sharded (``parallel_adamw``); ``zero=3`` raises ValueError."""
+    check_zero(zero)
     with jt.no_grad():
         for p in trainable_parameters(model).values():
             assign_keep_grad(p, p.mpi_broadcast(0))
@@ -214,5 +243,5 @@ def shutdown_process_group() -> None:
     """Nothing to leave: MPI is finalised by jittor at exit."""
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
-           "parallel_train_step", "shutdown_process_group"]
+__all__ = ["all_reduce_sum", "check_zero", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
+           "parallel_train_step", "shutdown_process_group", "weights_fingerprint"]

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lora_core.train import heap
-from lora_core.train.distributed import DistributedError, World, pick_loss
+from lora_core.train.distributed import DistributedError, World, pick_loss, sample_positions, weights_digest
 
 from .classify import cls_loss
 from .optim import AdamW
@@ -128,8 +128,25 @@ def _fsdp(model, loss: str, zero: int):
 
 
 def check_zero(zero: int) -> None:
+    """Refuse a ZeRO stage this backend cannot run (torch: 0, 2 and 3 run)."""
     if zero not in (0, 2, 3):
         raise ValueError(f"data_parallel: zero must be 0, 2 or 3, got {zero!r}")
+
+
+def weights_fingerprint(model) -> str:
+    """``lora_core.train.distributed.weights_digest`` of every tensor of ``model``'s state (a few
+    values each, read where they are: no tensor is copied whole)."""
+    items = []
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            t = t.detach()
+            idx = sample_positions(t.numel())
+            if t.is_contiguous() or t.dim() == 0:
+                values = t.reshape(-1)[torch.from_numpy(idx).to(t.device)]
+            else:  # a view (a transposed map of the checkpoint): the elements by their indices
+                values = t[tuple(torch.from_numpy(i).to(t.device) for i in np.unravel_index(idx, tuple(t.shape)))]
+            items.append((name, tuple(t.shape), str(t.dtype), values.float().cpu().numpy()))
+    return weights_digest(items)
 
 
 def parallel_adamw(wrapper, params: dict, cfg):
@@ -227,5 +244,5 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["all_reduce_sum", "data_parallel", "evaluation", "full_parameters", "init_process_group", "parallel_adamw",
-           "parallel_train_step", "shutdown_process_group"]
+__all__ = ["all_reduce_sum", "check_zero", "data_parallel", "evaluation", "full_parameters", "init_process_group",
+           "parallel_adamw", "parallel_train_step", "shutdown_process_group", "weights_fingerprint"]

@@ -48,6 +48,9 @@ __all__ = [
     "check_shardable",
     "code_version",
     "run_hash",
+    "FINGERPRINT_SAMPLES",
+    "sample_positions",
+    "weights_digest",
     "pack_outputs",
     "unpack_outputs",
     "batch_shard",
@@ -238,6 +241,30 @@ def run_hash(run_config: dict, backend_name: str) -> str:
     """Hash of a run's configuration (as ``train_config.json`` holds it) and of the code."""
     text = json.dumps(run_config, sort_keys=True) + code_version(backend_name)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+FINGERPRINT_SAMPLES = 64  # values read from each tensor for weights_digest
+
+
+def sample_positions(numel: int, k: int = FINGERPRINT_SAMPLES) -> np.ndarray:
+    """Up to ``k`` evenly spaced flat positions of a tensor of ``numel`` elements, the first and
+    the last among them (each backend's ``weights_fingerprint`` reads the values there)."""
+    if numel <= k:
+        return np.arange(numel, dtype=np.int64)
+    return np.unique(np.linspace(0, numel - 1, k).round().astype(np.int64))
+
+
+def weights_digest(items) -> str:
+    """sha256 over ``(name, shape, dtype, values)`` of each tensor (``values``: the ones at
+    ``sample_positions``, as float64), in name order: the model's weights as each rank loaded
+    them, compared between ranks before training (ranks on different base checkpoints, say one
+    copy per machine that differs, would each train against its own frozen base: the trained
+    values are synchronised, the frozen ones never are)."""
+    h = hashlib.sha256()
+    for name, shape, dtype, values in sorted(items, key=lambda t: t[0]):
+        h.update(f"{name}\0{tuple(shape)}\0{dtype}\0".encode())
+        h.update(np.ascontiguousarray(values, dtype=np.float64).tobytes())
+    return h.hexdigest()
 
 
 class Comm:

@@ -59,7 +59,7 @@ from ..lora.injection import injection_of
 from ..lora.layers import lora_layers
 from ..progress import step_bar
 from .data_order import dropout_seed, epoch_batches, steps_per_epoch, total_steps
-from .distributed import Comm, ShardedDropout, check_shardable, run_hash, shard_step
+from .distributed import Comm, DistributedError, ShardedDropout, check_shardable, run_hash, shard_step
 from .full_ft import FullFineTuning
 from .precision import precision_log
 from .recipes import TrainConfig
@@ -190,6 +190,9 @@ class Trainer:
             )
         self.dp, self.optimizer = None, None
         self.files = self.task.adapter_files(backend, model, base_note)  # before ZeRO shards what it reads
+        backend.check_zero(cfg.zero)  # one process too: a stage the backend cannot run is refused by name
+        # the weights each rank loaded (compared in _prepare): read before ZeRO shards them
+        self._weights = backend.weights_fingerprint(model) if self.comm.world.parallel else None
         if self.comm.world.parallel:  # data_parallel may move the model to a GPU and shard it (ZeRO)
             self.dp = backend.data_parallel(model, self.task.loss, cfg.zero)
             self.optimizer = backend.parallel_adamw(self.dp, backend.trainable_parameters(model), cfg.adamw_config())
@@ -231,12 +234,30 @@ class Trainer:
         if comm.world.parallel:
             run = {**self._run_config(pairs), "zero": self.cfg.zero}
             comm.check_same("run configuration or code", run_hash(run, self.backend.NAME))
+            comm.check_same("model's weights as loaded (the base checkpoint: the same files on every rank)",
+                            self._weights)
         found = comm.on_main(self._prepare_dir, pairs, resume, resume_from)  # resume_from: latest points at it after
         ckpt = find_checkpoint(self.out_dir) if resume and not comm.world.is_main else None
         if ckpt is not None:
             found = read_checkpoint(ckpt, self.files)
+        if resume and comm.world.parallel:  # each rank found OUT/latest in its own view of the folder
+            self._check_same_start(found)
         if found is not None:  # on every rank at once (with ZeRO, loading is a collective)
             self._restore(*found)
+
+    def _check_same_start(self, found) -> None:
+        """Every rank resumes from the same step: each reads ``OUT/latest`` itself, so an out-dir
+        that is not one folder shared by all ranks (node-local disks, another ``--out-dir`` per
+        rank) would mix a resumed rank 0 with ranks starting over."""
+        step = -1 if found is None else int(found[2]["step"])
+        steps = [int(r[0]) for r in self.comm.all_gather([step])]
+        if len(set(steps)) > 1:
+            seen = ", ".join(f"rank {r}: {'no checkpoint' if s < 0 else f'step {s}'}" for r, s in enumerate(steps))
+            raise DistributedError(
+                f"resume: the ranks found different checkpoints in {self.out_dir} ({seen}): every rank reads "
+                "OUT/latest, so OUT must be one folder shared by all ranks (shared storage across machines, "
+                "the same --out-dir)"
+            )
 
     def _log(self, record: dict) -> None:
         if not self.comm.world.is_main:
