@@ -133,6 +133,18 @@ def check_quantize(args: argparse.Namespace, method: str = "lora") -> None:
                          f"adapter on it (use --method lora, or leave out --quantize)")
 
 
+def write_base(args: argparse.Namespace, base_dir, write, *payload) -> None:
+    """``write(base_dir, *payload)`` (rank 0: under ``comm.on_main``), unless the run resumes and
+    ``OUT/base`` holds a whole save (``formats.checkpoint.saved_whole``; the resumed run's
+    configuration, seed included, was checked to be the saved one): writing it again would leave
+    it without its config for as long as the weights take to write."""
+    from lora_core.formats.checkpoint import saved_whole
+
+    resuming = bool(getattr(args, "resume", False) or getattr(args, "resume_from", None) is not None)
+    if not (resuming and saved_whole(base_dir)):
+        write(base_dir, *payload)
+
+
 def quantize_kwargs(args: argparse.Namespace) -> dict:
     """The backends' ``from_pretrained`` arguments of a 4-bit base (empty without ``--quantize``)."""
     if getattr(args, "quantize", None) is None:

@@ -438,3 +438,51 @@ def test_a_save_killed_over_an_older_one_never_pairs_new_weights_with_old_settin
         lc.load_adapter(d)
     lc.save_adapter(d, CFG, other, lc.init_lora_weights(CFG, other))  # a complete save reads again
     assert lc.load_adapter(d)[0].alpha == 32
+
+
+def test_a_resumed_run_keeps_its_whole_base_and_writes_a_cut_one_again(tmp_path):
+    """``--resume`` with ``--save-base`` (or a 4-bit base, quantized from OUT/base): a whole
+    OUT/base is kept as it is (writing it again removed its config first, so a kill in that window
+    left the first run's base unreadable); a base without its config is written again; a new run
+    writes it."""
+    from types import SimpleNamespace
+
+    from examples.run_options import write_base
+
+    base = tmp_path / "base"
+    calls = []
+
+    def write(d, *payload):
+        calls.append(payload)
+        save_model(d, CFG, lc.init_gpt2_weights(CFG, 0))
+
+    write_base(SimpleNamespace(resume=False, resume_from=None), base, write, "new run")
+    before = (base / "model.safetensors").stat().st_mtime_ns
+    for resume, resume_from in ((True, None), (False, "ckpt-3")):
+        write_base(SimpleNamespace(resume=resume, resume_from=resume_from), base, write, "resumed")
+    assert calls == [("new run",)] and (base / "model.safetensors").stat().st_mtime_ns == before
+    (base / "config.json").unlink()  # a save cut before its config: written again on resume
+    write_base(SimpleNamespace(resume=True, resume_from=None), base, write, "cut")
+    assert calls[-1] == ("cut",) and lc.load_model(base)[0] == CFG
+
+
+def test_damaged_run_configuration_is_named_on_resume(tmp_path):
+    from lora_core.train.run_dir import open_run_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for text, words in (('{"task": "nlg", "train": {', "train_config.json: "),
+                        ('["a list"]', "train_config.json: expected a JSON object, got list")):
+        (out / "train_config.json").write_text(text)
+        with pytest.raises(CheckpointError) as e:
+            open_run_dir(out, {"task": "nlg"}, resume=True, adapter=ADAPTER)
+        assert str(out / "train_config.json") in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_a_folder_named_latest_is_refused_before_training(tmp_path):
+    from lora_core.train.run_dir import check_out_dir
+
+    (tmp_path / "run" / "latest").mkdir(parents=True)
+    for resume in (False, True):
+        with pytest.raises(ValueError, match="latest is not a file: the run's pointer to its latest checkpoint"):
+            check_out_dir(tmp_path / "run", resume, option="--out-dir")

@@ -242,6 +242,8 @@ def test_recipes_and_overrides():
         "schedule=cosine": "choose one of",
         "lr": "expected key=value",
         "batch_size=0": "positive int",
+        "lr=inf": "a finite number > 0",  # it trained to a NaN loss
+        "lr=-1": "a finite number > 0",
         "label_smooth=1.5": "in [0, 1)",
         "correct_bias=maybe": "true or false",
         "adam_betas=0.9": "2 comma",

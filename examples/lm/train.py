@@ -55,7 +55,14 @@ from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import LMTask, max_positions
 from lora_core.train.trainer import train
 
-from ..run_options import add_run_options, apply_run_options, doc_summary, quantize_kwargs, with_quantize_note
+from ..run_options import (
+    add_run_options,
+    apply_run_options,
+    doc_summary,
+    quantize_kwargs,
+    with_quantize_note,
+    write_base,
+)
 
 RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
 
@@ -95,7 +102,7 @@ def build(backend, args, comm):
         cfg = llama_spec.llama_config(args.random_init, **overrides)
         weights = llama_spec.init_llama_weights(cfg, args.init_seed)
         if args.save_base or quant:  # a 4-bit base is quantized while it loads from OUT/base
-            comm.on_main(write_hf_checkpoint, base_dir, cfg.to_hf_dict(), weights)
+            comm.on_main(write_base, args, base_dir, write_hf_checkpoint, cfg.to_hf_dict(), weights)
         if not quant:
             model = backend.LlamaForCausalLM(cfg)
             model.load_weights(weights)
@@ -103,7 +110,7 @@ def build(backend, args, comm):
         cfg = lora_core.gpt2_config(args.random_init, **overrides)
         weights = lora_core.init_gpt2_weights(cfg, args.init_seed)
         if args.save_base or quant:
-            comm.on_main(lora_core.save_model, base_dir, cfg, weights)
+            comm.on_main(write_base, args, base_dir, lora_core.save_model, cfg, weights)
         if not quant:
             model = backend.build_model(cfg, None, base=weights)
     if quant:

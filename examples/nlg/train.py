@@ -54,6 +54,7 @@ from ..run_options import (
     loaded_quant,
     quantize_kwargs,
     with_quantize_note,
+    write_base,
 )
 
 
@@ -79,7 +80,7 @@ def build(backend, args, lora, comm):
         cfg = lora_core.gpt2_config(args.random_init, **overrides)
         base = lora_core.init_gpt2_weights(cfg, args.init_seed)
         if args.save_base or quant:  # a 4-bit base is quantized while it loads from OUT/base
-            comm.on_main(save_model, Path(args.out_dir) / "base", cfg, base)
+            comm.on_main(write_base, args, Path(args.out_dir) / "base", save_model, cfg, base)
         note = f"random-init preset={args.random_init} seed={args.init_seed} {overrides or ''}".strip()
         model = backend.from_pretrained(Path(args.out_dir) / "base", **quant) if quant else \
             backend.build_model(cfg, lora, base=base)

@@ -127,6 +127,13 @@ def write_weights_and_config(folder, weights_name: str, tensors: dict[str, np.nd
     write_json_atomic(folder / config_name, config)
 
 
+def saved_whole(folder, config_name: str = MODEL_CONFIG) -> bool:
+    """Whether ``folder`` holds a complete save of ``write_weights_and_config`` (its config is
+    written last): a resumed run keeps such a ``OUT/base`` as it is, where writing it again
+    would leave it without its config for the moment the weights are rewritten."""
+    return (Path(folder) / config_name).is_file()
+
+
 def infer_gpt2_config(tensors: dict[str, np.ndarray], path="checkpoint") -> GPT2Config:
     """GPT-2 sizes read off the canonical tensors (heads from the standard widths)."""
     if "wte.weight" not in tensors or "wpe.weight" not in tensors:

@@ -24,6 +24,7 @@ ill-typed values raise ``ValueError``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,8 +55,12 @@ class TrainConfig:
 
     Args:
         batch_size: examples per optimizer update (Table 11: 8).
-        grad_accum: micro-batches each update is split into (memory only: the update is
-            the same up to float rounding, as in gpt2_ft.py ``--grad_acc``).
+        grad_accum: micro-batches each update is split into, to save memory. Each
+            micro-batch's mean loss (over its own loss positions) weighs ``1/grad_accum``, the
+            rule of gpt2_ft.py ``--grad_acc``: the update is the unsplit batch's (up to float
+            rounding) when the micro-batches hold equal numbers of loss positions (packed LM
+            blocks, classification), and weighs the positions of a short micro-batch more when
+            they do not (NLG pairs of different lengths).
         epochs: passes over the training set (Table 11: 5).
         max_steps: total optimizer updates and the end of the lr schedule; ``None``:
             ``epochs`` x updates per epoch (gpt2_ft.py ``--max_step``).
@@ -153,7 +158,8 @@ class TrainConfig:
             self.grad_accum,
             f"at most batch_size={self.batch_size}",
         )
-        _check(isinstance(self.lr, (int, float)) and self.lr > 0, c, "lr", self.lr, "a number > 0")
+        _check(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, c, "lr", self.lr,
+               "a finite number > 0")
         for name in ("weight_decay", "max_grad_norm", "adam_eps"):
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and v >= 0, c, name, v, "a number >= 0")

@@ -299,6 +299,9 @@ def check_out_dir(out_dir: str | os.PathLike, resume: bool = False, option: str 
             if not p.is_dir():
                 raise ValueError(f"{where}: {'a file' if p == out else f'{p} is a file'}, not a folder")
             break
+    if out.is_dir() and (out / LATEST_FILE).exists() and not (out / LATEST_FILE).is_file():
+        raise ValueError(f"{where}: {out / LATEST_FILE} is not a file: the run's pointer to its latest checkpoint "
+                         "is written there (remove it, or choose a new folder)")
     if not resume and out.is_dir():
         if (out / CONFIG_FILE).exists() or (out / LOG_FILE).exists() or _named_checkpoint(out) is not None:
             raise FileExistsError(f"{where} holds a previous run: resume it (--resume) or choose a new folder")
@@ -316,7 +319,7 @@ def open_run_dir(out: Path, run: dict, resume: bool, adapter, resume_from=None):
     old = out / CONFIG_FILE
     remove_temp_files(out)  # leftovers of a killed save
     if resume and old.is_file():
-        diff = config_diff(_with_defaults(json.loads(old.read_text(encoding="utf-8")), run), run)
+        diff = config_diff(_with_defaults(read_json(old), run), run)  # read_json: a damaged file named
         if diff:
             if any(d.startswith(("train.batch_size", "train.grad_accum")) for d in diff):
                 diff.append(
