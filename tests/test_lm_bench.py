@@ -273,3 +273,41 @@ def test_gpu_bench_compiled_row(tmp_path):
     assert ours["warmup_steps"] == 2 and eager["warmup_steps"] == 1 and rows[True]["hf-peft"]["warmup_steps"] == 1
     assert len(ours["loss"]) == 4 and len(eager["loss"]) == 3
     np.testing.assert_allclose(ours["loss"][:3], eager["loss"], rtol=1e-5)
+
+
+def test_hf_qlora_weights_count_bitsandbytes_block_scales(tmp_path):
+    """transformers + peft's QLoRA 'weights' part holds bitsandbytes' block scales (its
+    Params4bit keeps them in quant_state, no buffer: they were counted as activations), as ours'
+    4-bit layers hold theirs: the same checkpoint gives the same bytes within the scalars."""
+    from examples.lm.bench import write_inputs
+    from examples.lm.bench_shapes import shape_config, targets
+    from examples.lm.bench_systems import make_system
+
+    cfg = shape_config("tiny-llama")
+    files = write_inputs(cfg, tmp_path)
+    weights = {s: make_system(s, Path(files["ckpt"]), Path(files["lora_train"]), True, "qlora", targets(cfg))
+               .memory_parts()["weights"] for s in ("hf-peft", "ours-torch")}  # fmt: skip
+    assert abs(weights["hf-peft"] - weights["ours-torch"]) <= 64, weights  # 14 4-bit layers: 344 B of scales
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("bench", ["--layers", "0"], "--layers must be >= 1 when given, got 0"),
+    ("bench", ["--systems", "ours-torch,ours-torch"], "--systems: ['ours-torch'] named twice"),
+    ("bench", ["--shape", "tiny-mistral", "--block", "80", "--new-tokens", "8"],
+     "--shape tiny-mistral: sequence of 80 tokens exceeds sliding_window=64"),
+    ("gpu_bench", ["--device", "cpu", "--block", "200"], "sequence of 200 tokens exceeds max_position_embeddings=128"),
+    ("gpu_bench", ["--device", "cpu", "--steps", "0"], "--steps must be >= 1, got 0"),
+    ("speed_ab", ["--batch", "0"], "--batch must be >= 1, got 0"),
+    ("speed_ab", ["--block", "200"], "sequence of 200 tokens exceeds max_position_embeddings=128"),
+    ("speed_ab", ["--threads", "0"], "--threads must be >= 1, got 0"),
+    ("step_profile", ["--vocab", "0"], "--vocab must be >= 1 when given, got 0"),
+])  # fmt: skip
+def test_bench_sizes_refused_by_name(module, argv, message, capsys):
+    """Sizes that fell back to the preset's (0 layers), ran a row twice as one row's repeats, or
+    failed inside the rows (a block past the window or the positions) after the whole run."""
+    import importlib
+
+    main = importlib.import_module(f"examples.lm.{module}").main
+    with pytest.raises(SystemExit):
+        main(["--shape", "tiny-llama", *argv])
+    assert message in capsys.readouterr().err

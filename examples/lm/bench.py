@@ -84,11 +84,11 @@ from ..nlg.bench import _fmt, _names, code_version, log
 from ..run_options import doc_summary
 from .bench_shapes import (
     SHAPES,
+    check_sizes,
     describe,
     flops_per_token,
     gemm_shapes,
     is_gpt2,
-    positions,
     projections,
     shape_config,
     weight_bytes,
@@ -535,14 +535,16 @@ def main(argv: list[str] | None = None) -> int:
         args.methods = _names(args.methods, METHODS, "--methods")
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
-    if min(args.batch, args.block, args.steps, args.new_tokens, args.threads, args.repeats, args.layers or 1,
-           args.vocab or 1) < 1:
-        p.error("--layers, --vocab, --batch, --block, --steps, --new-tokens, --threads and --repeats must be >= 1")
+    wrong = check_sizes(args, None, batch=args.batch, block=args.block, steps=args.steps, new_tokens=args.new_tokens,
+                        threads=args.threads, repeats=args.repeats)  # fmt: skip
+    if wrong:
+        p.error(wrong)
     if args.ranks < 2:
         p.error(f"--ranks must be >= 2 (the processes of a ZeRO row), got {args.ranks}")
     cfg = _shape(vars(args))
-    if max(args.block, PROMPT_LEN + args.new_tokens) > positions(cfg):
-        p.error(f"--block / {PROMPT_LEN} + --new-tokens exceed {args.shape}'s {positions(cfg)} positions")
+    wrong = check_sizes(args, max(args.block, PROMPT_LEN + args.new_tokens))
+    if wrong:
+        p.error(f"--block / {PROMPT_LEN} + --new-tokens: {wrong}")
     t0, version, env = time.perf_counter(), code_version(), environment()
     flops = train_flops_per_token(cfg, args.block)
     peak = gemm_peak(cfg, args.batch * args.block, args.threads)

@@ -42,6 +42,28 @@ def targets(cfg) -> tuple[str, ...]:
     return GPT2_TARGETS if is_gpt2(cfg) else LLAMA_TARGETS
 
 
+def check_sizes(args, tokens: int | None = None, **counts: int | None) -> str | None:
+    """What is wrong with a bench command's sizes (None: nothing): ``--layers``/``--vocab`` given
+    below 1 (0 fell back to the preset's), a count of ``counts`` (``batch=..``, option name with
+    ``_`` for ``-``) below 1, or ``tokens`` (the longest sequence the run makes) past what the
+    shape's model runs (positions, a sliding window: the planner's ``check_sequence``, the
+    model's own refusal)."""
+    for name in ("layers", "vocab"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            return f"--{name} must be >= 1 when given, got {getattr(args, name)}"
+    for name, v in counts.items():
+        if v is not None and v < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {v}"
+    if tokens is not None:
+        from lora_core.plan.memory import check_sequence
+
+        try:
+            check_sequence(shape_config(args.shape, args.layers, args.vocab), tokens)
+        except ValueError as e:
+            return f"--shape {args.shape}: {str(e).split(': ', 1)[1]}"
+    return None
+
+
 def positions(cfg) -> int:
     return cfg.n_positions if is_gpt2(cfg) else cfg.max_position_embeddings
 

@@ -374,4 +374,21 @@ def _stored_bytes(model) -> float:
         for t in getattr(m, "_nf4", None) or ():
             if not hasattr(t, "data_ptr"):
                 total += _numel(t) * np.dtype(str(t.dtype)).itemsize
+    for _, t in tensors:  # bitsandbytes' Params4bit keeps its block scales in its quant_state, no buffer
+        for scales in _quant_scales(getattr(t, "quant_state", None)):
+            if scales.data_ptr() not in seen:
+                seen.add(scales.data_ptr())
+                total += scales.numel() * scales.element_size()
     return float(total)
+
+
+def _quant_scales(qs) -> list:
+    """The per-block tensors of a bitsandbytes ``QuantState``: its absmax and, with double
+    quantization, the nested absmax and offset (the code tables, 16 and 256 constants, left out
+    as the NF4 formula leaves them)."""
+    if qs is None:
+        return []
+    out = [qs.absmax] + ([qs.offset] if getattr(qs, "nested", False) and qs.offset is not None else [])
+    if getattr(qs, "state2", None) is not None:
+        out.append(qs.state2.absmax)
+    return [t for t in out if hasattr(t, "data_ptr") and t.dim() >= 0]

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 from ..run_options import doc_summary
-from .bench import write_inputs
-from .bench_shapes import SHAPES, shape_config
+from .bench import PROMPT_LEN, write_inputs
+from .bench_shapes import SHAPES, check_sizes, shape_config
 from .bench_shapes import targets as targets_of
 from .bench_systems import SEED, bnb_dequantize_exact, make_system, token_rows
 
@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in methods if m not in METHODS] + [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown method or system {bad}; methods: {', '.join(METHODS)}; systems: {', '.join(SYSTEMS)}")
+    wrong = check_sizes(args, None, batch=args.batch, block=args.block, steps=args.steps) or \
+        check_sizes(args, max(args.block, PROMPT_LEN + args.decode if args.decode else 0))
+    if wrong:
+        p.error(wrong)
     cfg = shape_config(args.shape, args.layers, args.vocab)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {"settings": settings, "env": env_info(args.device), "rows": []}

@@ -32,7 +32,7 @@ import numpy as np
 from ..bench_worker import environment, environment_line
 from ..nlg.bench import code_version
 from .bench import write_inputs
-from .bench_shapes import SHAPES, describe, shape_config
+from .bench_shapes import SHAPES, check_sizes, describe, shape_config
 from .bench_shapes import targets as targets_of
 from .bench_systems import METHODS, SEED, bench_method, make_system, token_rows
 
@@ -86,6 +86,9 @@ def check_run_options(p: argparse.ArgumentParser, a) -> None:
         p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    wrong = check_sizes(a, None, batch=a.batch, block=a.block, threads=a.threads) or check_sizes(a, a.block)
+    if wrong:
+        p.error(wrong)
 
 
 def start_run(a):

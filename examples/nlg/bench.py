@@ -320,6 +320,9 @@ def _names(text: str, valid: tuple[str, ...], flag: str) -> list[str]:
     bad = [n for n in names if n not in valid]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"{flag}: unknown {bad or names}; choose from {valid}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a second run of the same row would be folded into the first's repeats
+        raise argparse.ArgumentTypeError(f"{flag}: {twice} named twice")
     return names
 
 
