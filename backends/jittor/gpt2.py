@@ -18,7 +18,7 @@ from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.dropout import BlockMasks, ReplayMasks
 from lora_core.lora.layers import decoding_weights
-from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
+from lora_core.models.gpt2 import GPT2Config, LoRAConfig, check_length, matches_target
 
 from ._gpu_check import ensure_gpu_ok
 from ._kernels import bmm, bmm_nt, grow_rows, rows_dot, softmax_scaled
@@ -204,8 +204,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         B, T = ids.shape
         cache = past if isinstance(past, KVCache) else None
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
-        if t_past + T > self.config.n_positions:
-            raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
+        check_length(self.config, t_past + T)
         mask = None if attention_mask is None else _np(attention_mask)
         if position_ids is None:
             position_ids = positions(mask, B, T, t_past)
@@ -224,8 +223,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
         """Final hidden states (N, E) of the real tokens of a right-padded batch; see the torch backend."""
         ids = _var(input_ids)
         B, T = ids.shape
-        if T > self.config.n_positions:
-            raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
+        check_length(self.config, T)
         tok, pad = _var(token_index), _var(pad_index)
         bias = jt.array(attention_bias(None, T, 0))
         x = self.drop(self.wte(ids.reshape(-1)[tok]) + self.wpe(tok % T))

@@ -23,7 +23,7 @@ from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.dropout import BlockMasks
 from lora_core.lora.layers import decoding_weights
-from lora_core.models.gpt2 import GPT2Config, LoRAConfig, matches_target
+from lora_core.models.gpt2 import GPT2Config, LoRAConfig, check_length, matches_target
 
 from ._attention import attention
 from .lora import LoRAEmbedding, LoRALinear, LoRAMergedLinear, linear_decode, pack_weight
@@ -251,8 +251,7 @@ class GPT2LMModel(nn.Module):
         B, T = input_ids.shape
         cache = past if isinstance(past, KVCache) else None
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
-        if t_past + T > self.config.n_positions:
-            raise ValueError(f"sequence of {t_past + T} tokens exceeds n_positions={self.config.n_positions}")
+        check_length(self.config, t_past + T)
         mask = None if attention_mask is None else _np(attention_mask)
         if position_ids is None:
             position_ids = positions(mask, B, T, t_past)
@@ -275,8 +274,7 @@ class GPT2LMModel(nn.Module):
         dev = self.wte.weight.device
         ids = _tensor(input_ids).to(dev)
         B, T = ids.shape
-        if T > self.config.n_positions:
-            raise ValueError(f"sequence of {T} tokens exceeds n_positions={self.config.n_positions}")
+        check_length(self.config, T)
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
         x = self.drop(self.wte(ids.reshape(-1).index_select(0, tok)) + self.wpe(tok % T))
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.gpt2 import check_length as gpt2_check_length
-from ..models.llama import check_length
+from ..models import check_length
 from .masks import MASK_VALUE
 
 __all__ = ["DECODE_STEPS", "PROMPT_MULTIPLE", "check_room", "decode_step_captured", "kv_layout",
@@ -80,7 +79,6 @@ def kv_layout(cfg) -> tuple[int, int, int]:
 def check_room(P: int, step: int, cfg) -> None:
     """The growing cache's bound, kept by the preallocated one: generated step ``step`` (0-based)
     after a left-padded prompt of ``P`` positions makes a sequence of ``P + step + 1`` tokens,
-    refused past GPT-2's ``n_positions``, or where a Llama family's own check refuses it
-    (``models.llama.check_length``: ``max_position_embeddings``, ``sliding_window``)."""
-    total = P + step + 1
-    (check_length if hasattr(cfg, "num_key_value_heads") else gpt2_check_length)(cfg, total)
+    refused where the model's own check refuses it (``models.check_length``: GPT-2's
+    ``n_positions``; a Llama family's ``max_position_embeddings``, ``sliding_window``)."""
+    check_length(cfg, P + step + 1)

@@ -13,3 +13,12 @@ def preset_config(shape: str, layers: int | None = None, vocab: int | None = Non
         over = {"num_hidden_layers": layers, "vocab_size": vocab}
         return llama.llama_config(shape, **{k: v for k, v in over.items() if v})
     raise ValueError(f"unknown model preset {shape!r}; choose from {sorted(llama.PRESETS) + sorted(gpt2.PRESETS)}")
+
+
+def check_length(cfg, total: int) -> None:
+    """Refuse a sequence of ``total`` tokens that ``cfg``'s model cannot run, as its forward pass
+    refuses it: a Llama family's ``max_position_embeddings`` and ``sliding_window``
+    (``llama.check_length``), GPT-2's ``n_positions`` (``gpt2.check_length``)."""
+    from . import gpt2, llama
+
+    (llama.check_length if isinstance(cfg, llama.LlamaConfig) else gpt2.check_length)(cfg, total)

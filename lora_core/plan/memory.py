@@ -361,10 +361,10 @@ class Plan:
 def check_sequence(cfg, seq: int) -> None:
     """Refuse a sequence length the model cannot run (as its forward pass refuses it): GPT-2's
     ``n_positions``, a Llama family's ``max_position_embeddings`` and ``sliding_window``."""
-    from ..models import gpt2, llama
+    from ..models import check_length
 
     try:
-        (llama.check_length if isinstance(cfg, llama.LlamaConfig) else gpt2.check_length)(cfg, seq)
+        check_length(cfg, seq)
     except ValueError as e:
         raise ValueError(f"seq {seq}: {e}") from None
 
