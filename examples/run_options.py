@@ -135,9 +135,10 @@ def check_quantize(args: argparse.Namespace, method: str = "lora") -> None:
 
 def write_base(args: argparse.Namespace, base_dir, write, *payload) -> None:
     """``write(base_dir, *payload)`` (rank 0: under ``comm.on_main``), unless the run resumes and
-    ``OUT/base`` holds a whole save (``formats.checkpoint.saved_whole``; the resumed run's
-    configuration, seed included, was checked to be the saved one): writing it again would leave
-    it without its config for as long as the weights take to write."""
+    ``OUT/base`` holds a whole save (``formats.checkpoint.saved_whole``): writing it again would
+    leave it without its config for as long as the weights take to write. The trainer then checks
+    the resumed run's configuration, seed included, against the saved one: a resume with another
+    seed is refused and leaves the base as the run wrote it."""
     from lora_core.formats.checkpoint import saved_whole
 
     resuming = bool(getattr(args, "resume", False) or getattr(args, "resume_from", None) is not None)

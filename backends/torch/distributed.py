@@ -141,7 +141,7 @@ def weights_fingerprint(model) -> str:
         for name, t in model.state_dict(keep_vars=True).items():
             t = t.detach()
             idx = sample_positions(t.numel())
-            if t.is_contiguous() or t.dim() == 0:
+            if t.is_contiguous():
                 values = t.reshape(-1)[torch.from_numpy(idx).to(t.device)]
             else:  # a view (a transposed map of the checkpoint): the elements by their indices
                 values = t[tuple(torch.from_numpy(i).to(t.device) for i in np.unravel_index(idx, tuple(t.shape)))]

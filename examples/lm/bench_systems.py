@@ -391,4 +391,4 @@ def _quant_scales(qs) -> list:
     out = [qs.absmax] + ([qs.offset] if getattr(qs, "nested", False) and qs.offset is not None else [])
     if getattr(qs, "state2", None) is not None:
         out.append(qs.state2.absmax)
-    return [t for t in out if hasattr(t, "data_ptr") and t.dim() >= 0]
+    return [t for t in out if hasattr(t, "data_ptr")]

@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in methods if m not in METHODS] + [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown method or system {bad}; methods: {', '.join(METHODS)}; systems: {', '.join(SYSTEMS)}")
-    wrong = check_sizes(args, None, batch=args.batch, block=args.block, steps=args.steps) or \
-        check_sizes(args, max(args.block, PROMPT_LEN + args.decode if args.decode else 0))
+    wrong = check_sizes(args, max(args.block, PROMPT_LEN + args.decode if args.decode else 0), batch=args.batch,
+                        block=args.block, steps=args.steps)  # fmt: skip
     if wrong:
         p.error(wrong)
     cfg = shape_config(args.shape, args.layers, args.vocab)

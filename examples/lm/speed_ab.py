@@ -86,7 +86,7 @@ def check_run_options(p: argparse.ArgumentParser, a) -> None:
         p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
-    wrong = check_sizes(a, None, batch=a.batch, block=a.block, threads=a.threads) or check_sizes(a, a.block)
+    wrong = check_sizes(a, a.block, batch=a.batch, block=a.block, threads=a.threads)
     if wrong:
         p.error(wrong)
 

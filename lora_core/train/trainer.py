@@ -191,9 +191,9 @@ class Trainer:
         self.dp, self.optimizer = None, None
         self.files = self.task.adapter_files(backend, model, base_note)  # before ZeRO shards what it reads
         backend.check_zero(cfg.zero)  # one process too: a stage the backend cannot run is refused by name
-        # the weights each rank loaded (compared in _prepare): read before ZeRO shards them
-        self._weights = backend.weights_fingerprint(model) if self.comm.world.parallel else None
+        self._weights = None  # the weights each rank loaded (compared in _prepare)
         if self.comm.world.parallel:  # data_parallel may move the model to a GPU and shard it (ZeRO)
+            self._weights = backend.weights_fingerprint(model)  # read before ZeRO shards them
             self.dp = backend.data_parallel(model, self.task.loss, cfg.zero)
             self.optimizer = backend.parallel_adamw(self.dp, backend.trainable_parameters(model), cfg.adamw_config())
         else:
