@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.bnb4bit import quantization_config
 from ..formats.checkpoint import MODEL_CONFIG, MODEL_WEIGHTS, check_tensors, load_gpt2_checkpoint
 from ..formats.hf_checkpoint import write_hf_checkpoint
 from ..lora.injection import injection_of
@@ -170,13 +171,10 @@ def check_full_ft_input(option: str, path, overrides: list[str]) -> None:
     if path is not None and Path(path).is_dir() and any((Path(path) / n).is_file() for n in ADAPTER_FILES):
         raise ValueError(f"{option} {path}: an adapter folder (adapter_config.json), but --method full trains "
                          "a whole model: give the base checkpoint it was trained on")
-    if path is not None:
-        from ..formats.bnb4bit import quantization_config
-
-        if quantization_config(path) is not None:  # it loads 4-bit without --quantize: a frozen base
-            raise ValueError(f"{option} {path}: a bitsandbytes 4-bit checkpoint (quantization_config in its "
-                             "config.json), a frozen base that --method full cannot train: use --method lora "
-                             "(QLoRA), or a full-precision checkpoint")
+    if path is not None and quantization_config(path) is not None:  # it loads 4-bit without --quantize: frozen
+        raise ValueError(f"{option} {path}: a bitsandbytes 4-bit checkpoint (quantization_config in its "
+                         "config.json), a frozen base that --method full cannot train: use --method lora "
+                         "(QLoRA), or a full-precision checkpoint")
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key.split(".")[0] == "lora" or key.split(".")[-1].startswith("lora_"):
