@@ -44,42 +44,61 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, label_smooth: float 
 
 
 class _HeadNLL(torch.autograd.Function):
-    """``_token_nll(head(h), targets, eps)`` for a frozen head, whose (rows, V) logits live only
-    inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: just over 32 MB
-    of float32 logits on the CPU, glibc's mmap ceiling; 256 MB in 64-row panels on a GPU): each piece's input gradient is
-    computed here at once (its logits overwritten in place by ``softmax - (1-eps) onehot - eps/V``,
-    then ``head``'s own backward from them) and kept, (N, E), for the backward pass, scaled there
-    per position. The plain path keeps the log-probabilities from the forward pass to the backward
-    one and adds two more (N, V) tensors there (the gradients of the log-probabilities and of the
-    logits): at Llama 3's 128k vocabulary and 256 tokens each is 131 MB, at 4 x 512 tokens 1 GB,
-    where a piece is 32 MB. The same products, in pieces of rows, so the same time."""
+    """``_token_nll(h @ w.T, targets, eps)`` for a frozen head ``w`` (V, E), whose (rows, V) logits
+    live only inside this forward, ``rows`` loss positions at a time (``heap.head_piece_rows``: just
+    over 32 MB of float32 logits on the CPU, glibc's mmap ceiling; 256 MB in 64-row panels on a
+    GPU): each piece's input gradient is computed here at once (its logits overwritten in place by
+    ``softmax - (1-eps) onehot - eps/V``, then multiplied by ``w``) and kept, (N, E), for the
+    backward pass, scaled there per position. The plain path keeps the log-probabilities from the
+    forward pass to the backward one and adds two more (N, V) tensors there (the gradients of the
+    log-probabilities and of the logits): at Llama 3's 128k vocabulary and 256 tokens each is 131
+    MB, at 4 x 512 tokens 1 GB, where a piece is 32 MB. The same products, in pieces of rows, so the
+    same time; where V is not a multiple of ``heap.HEAD_COLUMN_MULTIPLE`` (GPT-2's 50257) each
+    piece's logits are two products, ``w``'s first ``heap.head_column_split(V)`` rows (a view) and
+    the rest, which the CPU's GEMM runs faster than one product of V columns."""
 
     @staticmethod
-    def forward(ctx, h, head, targets, label_smooth, rows):
+    def forward(ctx, h, w, targets, label_smooth, rows):
         n = h.shape[0]
+        vocab = w.shape[0]
+        split = heap.head_column_split(vocab)
+        parts = [(0, w)] if split == vocab else [(0, w[:split]), (split, w[split:])]  # (first column, rows of w)
         eps = float(label_smooth)
         nll = torch.empty(n, dtype=torch.float32, device=h.device)
         grad = torch.empty_like(h)
         for a in range(0, n, rows):
-            with torch.enable_grad():
-                leaf = h[a : a + rows].detach().requires_grad_()
-                logits = head(leaf)
-            x = logits.detach().float()  # the logits themselves in fp32 (their backward does not read them)
-            m, v = x.shape
-            t = targets[a : a + rows, None]
-            piece = x.gather(1, t).squeeze(1).neg_()
+            x_in = h[a : a + rows]
+            t = targets[a : a + rows]
+            # the logits themselves in fp32 (F.linear under autocast casts as the head's product would)
+            xs = [F.linear(x_in, wp).float() for _, wp in parts]
+            picked = None  # each position's target logit, from the part that holds its column
+            for (c0, _), x in zip(parts, xs):
+                inside = (t >= c0) & (t < c0 + x.shape[1])
+                val = x.gather(1, (t - c0).clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
+                picked = torch.where(inside, val, 0.0 if picked is None else picked)
+            piece = picked.neg_()
             if eps > 0:
-                piece = (1.0 - eps) * piece - eps * x.mean(dim=-1)
-            top = x.amax(dim=-1, keepdim=True)
-            x.sub_(top).exp_()
-            total = x.sum(dim=-1, keepdim=True)
+                piece = (1.0 - eps) * piece - eps * (sum(x.sum(dim=-1) for x in xs) / vocab)
+            top = xs[0].amax(dim=-1, keepdim=True)
+            for x in xs[1:]:
+                top = torch.maximum(top, x.amax(dim=-1, keepdim=True))
+            total = None
+            for x in xs:
+                s = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
+                total = s if total is None else total + s
             nll[a : a + rows] = piece + (top + total.log()).squeeze(1)  # log-sum-exp: (1-eps) + eps of it
-            x.div_(total)  # softmax
-            if eps > 0:
-                x.sub_(eps / v)
-            x.scatter_add_(1, t, x.new_full((m, 1), eps - 1.0))
-            (grad[a : a + rows],) = torch.autograd.grad(logits, leaf, x.to(logits.dtype))
-            del logits, x, leaf  # this piece's (rows, V) tensors gone before the next one's
+            g = None
+            for (c0, wp), x in zip(parts, xs):
+                x.div_(total)  # softmax
+                if eps > 0:
+                    x.sub_(eps / vocab)
+                inside = (t >= c0) & (t < c0 + x.shape[1])
+                x.scatter_add_(1, (t - c0).clamp(0, x.shape[1] - 1)[:, None],
+                               torch.where(inside, eps - 1.0, 0.0)[:, None].to(x.dtype))  # fmt: skip
+                p = torch.mm(x.to(wp.dtype), wp)  # the input gradient of this part's product
+                g = p if g is None else g.float().add_(p)  # the few columns' part added in fp32
+            grad[a : a + rows] = g
+            del xs, x, g  # this piece's (rows, V) tensors gone before the next one's
         ctx.save_for_backward(grad)
         return nll
 
@@ -98,15 +117,13 @@ def _head_trains(model, h) -> bool:
 
 
 def _frozen_head(model, h):
-    """The frozen head's product for ``_HeadNLL``: ``model.lm_logits``, or under autocast a
-    product with the head's weight cast to the autocast dtype once. Autocast caches the casts of
-    trained weights only and casts a frozen one again at every product: once per piece, each
-    time the whole (V, E) matrix (1 GB at Llama 3's vocabulary and 2048 hidden, in float32)."""
+    """The frozen head's (V, E) weight for ``_HeadNLL``: ``model.head_weight()``, under autocast
+    cast to the autocast dtype once. Autocast caches the casts of trained weights only and casts a
+    frozen one again at every product: once per piece, each time the whole (V, E) matrix (1 GB at
+    Llama 3's vocabulary and 2048 hidden, in float32)."""
     dev = h.device.type
-    if not torch.is_autocast_enabled(dev):
-        return model.lm_logits
-    w = model.head_weight().detach().to(torch.get_autocast_dtype(dev))
-    return lambda x: F.linear(x, w)
+    w = model.head_weight().detach()
+    return w.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w
 
 
 def lm_loss(model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
