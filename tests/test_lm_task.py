@@ -353,3 +353,19 @@ def test_generated_text_keeps_the_word_boundary_at_the_prompt(tmp_path):
     ctx = tok.encode("w5 w7")
     assert tok.decode([9, 10]) == "w9 w10"  # decoded alone: no leading space
     assert "w5 w7" + continuation(tok, ctx, [9, 10]) == "w5 w7 w9 w10"
+
+
+@pytest.mark.parametrize("option, words", [(["--save-base"], "--save-base applies to --random-init only"),
+                                           (["--init-seed", "7"], "--init-seed applies to --random-init only"),
+                                           (["--vocab-size", "300"], "--vocab-size applies to --random-init only")])
+def test_random_init_options_refused_with_a_checkpoint(option, words, tmp_path, capsys):
+    """``--save-base``, ``--init-seed`` and ``--vocab-size`` act on a ``--random-init`` base only:
+    with ``--init-checkpoint`` each is refused in one line (the first two were accepted and
+    ignored: no OUT/base written, the seed unused), before anything is read or written."""
+    from examples.lm import train as lm_train
+
+    with pytest.raises(SystemExit) as e:
+        lm_train.main(["--recipe", "lm-demo", "--prepared", str(tmp_path / "p"), "--init-checkpoint",
+                       str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "run"), *option])  # fmt: skip
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -224,3 +224,48 @@ def test_exclude_modules():
     with pytest.raises(TargetError, match="exclude_modules 'nothing'"):
         plan_injection(MODULES, LoRATargetConfig(target_modules=("q_lin",), exclude_modules=("nothing",)))
     assert LoRATargetConfig.from_dict(regex.to_dict()) == regex and LoRATargetConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("fmt", ["lora_core", "peft"])
+def test_overlapping_patterns_keep_their_order_on_disk(fmt, tmp_path):
+    """Two ``alpha_pattern`` / ``rank_pattern`` entries matching one module: the first wins (peft's
+    rule), so the saved config keeps the patterns' order (JSON files were written with every key
+    sorted, which put ``layers\\.0...`` first and gave layer 0's q_proj alpha 5 and rank 2 once
+    reloaded: logits 2e-2 apart), and the reloaded adapter gives the same logits."""
+    import torch
+
+    import lora_core as lc
+    from lora_core.models.llama import init_llama_weights, llama_config
+
+    bk = lc.get_backend("torch")
+    cfg = llama_config("tiny-llama")
+
+    def model():
+        m = bk.LlamaForCausalLM(cfg)
+        m.load_weights(init_llama_weights(cfg, 0))
+        return m
+
+    rank = {"q_proj": 4, r"layers\.0\.self_attn\.q_proj": 2}
+    alpha = {"q_proj": 3, r"layers\.0\.self_attn\.q_proj": 5}
+    m = model()
+    bk.inject_lora(m, lc.LoRATargetConfig(r=8, alpha=8, target_modules=("q_proj",), rank_pattern=rank,
+                                          alpha_pattern=alpha))  # fmt: skip
+    assert m.model.layers[0].self_attn.q_proj.lora_A.shape[0] == 4
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65]])
+    m.eval()
+    with torch.no_grad():
+        ref_logits = m(ids)[0]
+    bk.save_lora_adapter(m, tmp_path / "a", format=fmt)
+    text = (tmp_path / "a" / "adapter_config.json").read_text()
+    assert text.index('"q_proj": 3') < text.index('"layers\\\\.0\\\\.self_attn\\\\.q_proj": 5'), text
+    m2 = model()
+    bk.load_lora_adapter(m2, tmp_path / "a")
+    m2.eval()
+    assert m2.model.layers[0].self_attn.q_proj.lora_A.shape[0] == 4
+    with torch.no_grad():
+        np.testing.assert_allclose(m2(ids)[0].numpy(), ref_logits.numpy(), rtol=0, atol=1e-6)

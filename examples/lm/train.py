@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     init = p.add_mutually_exclusive_group(required=True)
     init.add_argument("--init-checkpoint", type=Path, help="a transformers checkpoint folder (Llama family or GPT-2)")
     init.add_argument("--random-init", choices=RANDOM_PRESETS, help="a random base of this preset")
-    p.add_argument("--init-seed", type=int, default=0, help="seed of --random-init weights")
+    p.add_argument("--init-seed", type=int, default=None, help="seed of --random-init weights (default 0)")
     p.add_argument("--vocab-size", type=int, help="vocabulary size of a --random-init model")
     p.add_argument("--save-base", action="store_true", help="write the --random-init base to OUT/base")
     p.add_argument("--out-dir", required=True, type=Path)
@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.vocab_size and not args.random_init:
         p.error("--vocab-size applies to --random-init only (a checkpoint fixes its vocabulary)")
+    if args.save_base and not args.random_init:
+        p.error("--save-base applies to --random-init only (the --init-checkpoint folder is the base)")
+    if args.init_seed is not None and not args.random_init:
+        p.error("--init-seed applies to --random-init only (a checkpoint fixes its weights)")
+    args.init_seed = 0 if args.init_seed is None else args.init_seed
     if argv is None:  # a command, not a call from Python: its malloc can still be chosen (before torch loads)
         if (args.backend or os.environ.get("LORA_BACKEND") or "torch") == "torch":
             try:

@@ -100,9 +100,15 @@ def atomic_write(path: str | os.PathLike, write) -> None:
 
 
 def write_json_atomic(path, obj) -> None:
+    """``obj`` as JSON, its top-level keys sorted; nested objects keep their order (a LoRA
+    config's ``rank_pattern`` / ``alpha_pattern``: the first matching pattern wins, as in peft,
+    so sorting them would change which rank or alpha a module gets once reloaded)."""
+    if isinstance(obj, dict):
+        obj = {k: obj[k] for k in sorted(obj)}
+
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
+            json.dump(obj, f, indent=2)
             f.write("\n")
     atomic_write(path, write)
 
