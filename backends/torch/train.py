@@ -71,10 +71,11 @@ class _HeadNLL(torch.autograd.Function):
             t = targets[a : a + rows]
             # the logits themselves in fp32 (F.linear under autocast casts as the head's product would)
             xs = [F.linear(x_in, wp).float() for _, wp in parts]
+            # per part: which positions' targets it holds, and their column in it (clamped for the rest)
+            where = [((t >= c0) & (t < c0 + wp.shape[0]), (t - c0).clamp(0, wp.shape[0] - 1)[:, None]) for c0, wp in parts]
             picked = None  # each position's target logit, from the part that holds its column
-            for (c0, _), x in zip(parts, xs):
-                inside = (t >= c0) & (t < c0 + x.shape[1])
-                val = x.gather(1, (t - c0).clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
+            for x, (inside, col) in zip(xs, where):
+                val = x.gather(1, col).squeeze(1)
                 picked = torch.where(inside, val, 0.0 if picked is None else picked)
             piece = picked.neg_()
             if eps > 0:
@@ -88,13 +89,11 @@ class _HeadNLL(torch.autograd.Function):
                 total = s if total is None else total + s
             nll[a : a + rows] = piece + (top + total.log()).squeeze(1)  # log-sum-exp: (1-eps) + eps of it
             g = None
-            for (c0, wp), x in zip(parts, xs):
+            for (_, wp), x, (inside, col) in zip(parts, xs, where):
                 x.div_(total)  # softmax
                 if eps > 0:
                     x.sub_(eps / vocab)
-                inside = (t >= c0) & (t < c0 + x.shape[1])
-                x.scatter_add_(1, (t - c0).clamp(0, x.shape[1] - 1)[:, None],
-                               torch.where(inside, eps - 1.0, 0.0)[:, None].to(x.dtype))  # fmt: skip
+                x.scatter_add_(1, col, torch.where(inside, eps - 1.0, 0.0)[:, None].to(x.dtype))
                 p = torch.mm(x.to(wp.dtype), wp)  # the input gradient of this part's product
                 g = p if g is None else g.float().add_(p)  # the few columns' part added in fp32
             grad[a : a + rows] = g
