@@ -169,7 +169,10 @@ def test_train_both_backends_same_curve_and_exact_resume(prepared):
     lt, lj = _losses(root / "torch"), _losses(root / "jittor")
     assert len(lt) == 6 and len(lj) == 6
     assert np.abs(np.array(lj) - lt).max() <= 1e-5 * max(map(abs, lt))
-    assert (root / "torch" / "base" / "config.json").is_file() and (root / "torch" / "ckpt-6").is_dir()
+    assert (root / "torch" / "ckpt-6").is_dir()
+    # the random base names the prepared tokenizer's end-of-text token (generate checks it)
+    base_cfg = json.loads((root / "torch" / "base" / "config.json").read_text())
+    assert base_cfg["eos_token_id"] == json.loads((out / "meta.json").read_text())["eos_id"]
     # killed after update 4, resumed: the same losses as the uninterrupted run
     r = _train("torch", root, out, "killed", "--stop-after", 4, ok=False)
     assert r.returncode == 128 + 9, r.stderr
@@ -369,3 +372,97 @@ def test_random_init_options_refused_with_a_checkpoint(option, words, tmp_path, 
                        str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "run"), *option])  # fmt: skip
     assert e.value.code == 2 and words in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_another_models_tokenizer_is_refused():
+    """Another model's tokenizer: more ids than the embedding has rows, far fewer (a padded
+    vocabulary adds a few percent, not 36%: a Llama 2 tokenizer on GPT-2), or an end-of-text id
+    the model's config does not name (GPT-2's tokenizer on Llama 3)."""
+    from types import SimpleNamespace
+
+    from lora_core.data.text import model_eos_ids
+
+    check_tokenizer_fits(151665, 151936, eos_id=151643, model_eos=(151643,))  # Qwen2.5: 271 padded rows
+    check_tokenizer_fits(128256, 128256, eos_id=128009, model_eos=(128001, 128008, 128009))  # Llama 3 instruct
+    check_tokenizer_fits(50257, 50257, eos_id=50256, model_eos=None)  # GPT-2: its config keeps no eos here
+    with pytest.raises(ValueError, match=r"has 32000 tokens but the model's vocabulary has 50257 \(18257 rows no "):
+        check_tokenizer_fits(32000, 50257)
+    with pytest.raises(ValueError, match="ends a text with token id 50256 but the model's config names eos_token_id "
+                                         "128001: not this model's tokenizer"):
+        check_tokenizer_fits(128000, 128256, eos_id=50256, model_eos=(128001,))
+    with pytest.raises(ValueError, match=r"eos_token_id \[1, 2\]: not this model's tokenizer \(fix\)"):
+        check_tokenizer_fits(100, 100, "t", " (fix)", eos_id=0, model_eos=(1, 2))
+    assert model_eos_ids(SimpleNamespace(eos_token_id=[128001, 128009])) == (128001, 128009)
+    assert model_eos_ids(SimpleNamespace(eos_token_id=2)) == (2,)
+    assert model_eos_ids(SimpleNamespace(eos_token_id=None)) is None and model_eos_ids(SimpleNamespace()) is None
+
+
+def test_a_prepared_folder_is_read_whole_or_refused(prepared, tmp_path, monkeypatch, capsys):
+    """``meta.json`` goes first and comes back last: a re-run that fails half-way (here: while
+    writing valid.jsonl, with another block size) leaves no set to train on; files of two
+    preparations side by side, or a changed file, are refused naming the file."""
+    import shutil
+
+    import lora_core.data.nlg as nlg
+    from examples.lm import prepare as lm_prepare
+    from lora_core.data.text import read_prepared
+
+    root, out = prepared
+    tok = json.loads((out / "meta.json").read_text())["tokenizer"]
+    folder = tmp_path / "p"
+    shutil.copytree(out, folder)
+    train, valid, meta = read_prepared(folder)
+    assert len(train) == meta["train_blocks"] and len(valid) == meta["valid_blocks"] and len(meta["sha256"]) == 2
+    write = nlg.write_text_atomic
+
+    def fail_on_valid(path, text):
+        if str(path).endswith("valid.jsonl"):
+            raise OSError(28, "No space left on device")
+        write(path, text)
+
+    monkeypatch.setattr(nlg, "write_text_atomic", fail_on_valid)
+    args = ["--tokenizer", tok, "--train", str(root / "a.txt"), str(root / "b.txt"), "--valid", str(root / "v.txt")]
+    assert lm_prepare.main(args + ["--block-size", "16", "--out-dir", str(folder)]) == 1
+    assert "error: [Errno 28] No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(nlg, "write_text_atomic", write)
+    assert not (folder / "meta.json").exists()  # train.jsonl of block 16 beside valid.jsonl of block 32
+    with pytest.raises(FileNotFoundError, match="meta.json: no such file .* a preparation that failed half-way"):
+        read_prepared(folder)
+    # the two files of two preparations (counts or lengths differ), and a changed file (SHA-256)
+    other = tmp_path / "o"
+    assert lm_prepare.main(args + ["--block-size", "16", "--out-dir", str(other)]) == 0
+    shutil.copytree(out, folder, dirs_exist_ok=True)
+    shutil.copy(other / "valid.jsonl", folder / "valid.jsonl")
+    with pytest.raises(ValueError, match=r"valid.jsonl: \d+ blocks, but .*meta.json says \d+: the folder mixes two"):
+        read_prepared(folder)
+    shutil.copy(out / "valid.jsonl", folder / "valid.jsonl")
+    shutil.copy(other / "train.jsonl", folder / "train.jsonl")
+    with pytest.raises(ValueError, match="blocks, but"):
+        read_prepared(folder)
+    shutil.copy(out / "train.jsonl", folder / "train.jsonl")
+    lines = (folder / "train.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])["ids"]
+    lines[0] = json.dumps({"ids": first[1:] + first[:1]})  # the same tokens, in another order
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl: not the file .*meta.json describes \(its SHA-256 differs"):
+        read_prepared(folder)
+    lines[0] = json.dumps({"ids": first[:-1] + [meta["vocab_size"]]})
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"train.jsonl: line 1: token id {meta['vocab_size']} is not below"):
+        read_prepared(folder)
+
+
+def test_generated_ids_without_text_are_named(prepared, capsys):
+    """Ids in a model's padded rows beyond the tokenizer's have no text: said, not dropped silently."""
+    from examples.lm.generate import continuations
+    from lora_core.data.text import load_text_tokenizer
+
+    _, out = prepared
+    tok = load_text_tokenizer(json.loads((out / "meta.json").read_text())["tokenizer"])
+    ctx = tok.encode("The restaurant")
+    word = tok.encode(" is")
+    assert continuations(tok, [ctx], [word + [tok.eos_id]]) == [" is"]
+    assert capsys.readouterr().err == ""
+    assert continuations(tok, [ctx, ctx], [word, [tok.vocab_size + 3] + word]) == [" is", " is"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"prompt 2: generated token id(s) [{tok.vocab_size + 3}] beyond" in err, err

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lora_core
 from lora_core.data.nlg import write_text_atomic
+from lora_core.data.text import read_prepared
 from lora_core.train.tasks import LMTask
 
 from ..run_options import (
@@ -32,7 +33,7 @@ from ..run_options import (
     quantize_kwargs,
     resolve_base_adapter,
 )
-from .train import check_fits, read_prepared
+from .train import check_fits
 
 
 def evaluate(backend_name: str | None, base: Path, adapter: Path | None, prepared: Path, split: str = "valid",

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer, read_utf8
+from lora_core.data.text import check_tokenizer_fits, load_text_tokenizer, model_eos_ids, read_utf8
 from lora_core.generate.beam import BeamConfig
 from lora_core.train.tasks import max_positions
 
@@ -40,7 +40,8 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
     tok = load_text_tokenizer(tokenizer)
     base, adapter = resolve_base_adapter(base, adapter, quant or {})
     model = backend.from_pretrained(base, adapter=adapter, **(quant or {}))
-    check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}")
+    check_tokenizer_fits(tok.vocab_size, model.config.vocab_size, f"the tokenizer {tokenizer}", eos_id=tok.eos_id,
+                         model_eos=model_eos_ids(model.config))
     backend.to_device(model, device)
     empty = [i for i, p in enumerate(prompts) if not tok.encode(p)]
     if empty:
@@ -56,7 +57,23 @@ def generate(backend_name: str | None, base: Path, adapter: Path | None, tokeniz
                          f"model's {P} positions: give at most {P - longest + 1} new tokens or a shorter prompt")  # fmt: skip
     cfg = BeamConfig(beam=beam, max_new_tokens=max_new_tokens, no_repeat_ngram_size=0, stop_ids=(tok.eos_id,))
     outs = backend.beam_search(model, contexts, cfg, batch_size=min(8, len(contexts)))
-    return [continuation(tok, c, [t for t in o if t != tok.eos_id]) for c, o in zip(contexts, outs)]
+    return continuations(tok, contexts, outs)
+
+
+def continuations(tok, contexts: list[list[int]], outs: list[list[int]]) -> list[str]:
+    """The text each search result adds to its prompt (:func:`continuation`), the end-of-text
+    token left out; token ids beyond the tokenizer's (a model's padded vocabulary rows, which
+    decode to nothing) are named in a warning on stderr, not dropped without a word."""
+    texts = []
+    for i, (c, o) in enumerate(zip(contexts, outs), 1):
+        new = [t for t in o if t != tok.eos_id]
+        textless = sorted({t for t in new if t >= tok.vocab_size})
+        if textless:
+            print(f"warning: prompt {i}: generated token id(s) {textless} beyond the tokenizer's {tok.vocab_size} "
+                  f"tokens (the model's padded vocabulary rows): they have no text and are left out of it",
+                  file=sys.stderr)  # fmt: skip
+        texts.append(continuation(tok, c, new))
+    return texts
 
 
 def continuation(tok, context: list[int], generated: list[int]) -> str:

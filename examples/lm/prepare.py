@@ -4,7 +4,9 @@ Tokenises with the model's tokenizer (GPT-2's BPE folder, or a checkpoint folder
 ``tokenizer.json`` for Llama-family models), joins the documents with its end-of-text token
 and cuts fixed blocks (``--block-size``, 512 as the LoRA/QLoRA studies use). Writes
 ``OUT/train.jsonl`` and ``OUT/valid.jsonl`` (``{"ids": [...]}`` per block) and
-``OUT/meta.json`` (tokenizer, vocabulary size, block size, token and block counts)::
+``OUT/meta.json`` (tokenizer, vocabulary size, block size, token and block counts, the files'
+SHA-256: ``lora_core.data.text.write_prepared``; a re-run that fails half-way leaves no
+``meta.json``, so no command reads a mix of two preparations)::
 
     python -m examples.lm.prepare --tokenizer ../shared/data/gpt2-vocab \\
         --train data/wikitext-2-raw/wiki.train.raw --valid data/wikitext-2-raw/wiki.valid.raw \\
@@ -18,12 +20,10 @@ A bad file stops with its name (and line, for text that is not UTF-8).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from lora_core.data.nlg import write_jsonl_atomic, write_text_atomic
-from lora_core.data.text import load_text_tokenizer, pack_blocks, read_documents, tokenize_documents
+from lora_core.data.text import load_text_tokenizer, pack_blocks, read_documents, tokenize_documents, write_prepared
 
 from ..run_options import doc_summary, no_file_above
 
@@ -47,17 +47,11 @@ def prepare(tokenizer: Path, train: list[Path], valid: list[Path] | None, block_
             raise ValueError(f"--valid-fraction {valid_fraction} of {len(train_blocks)} training blocks holds out {n}, "
                              f"leaving none to train on: give a smaller --valid-fraction, or --valid")  # fmt: skip
         train_blocks, valid_blocks = train_blocks[:-n], train_blocks[-n:]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl_atomic(out_dir / "train.jsonl", [{"ids": b} for b in train_blocks])
-    write_jsonl_atomic(out_dir / "valid.jsonl", [{"ids": b} for b in valid_blocks])
     meta = {
         "tokenizer": str(tokenizer), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "block_size": block_size,
         "train_files": [str(p) for p in train], "valid_files": [str(p) for p in valid] if valid else None,
-        "train_blocks": len(train_blocks), "valid_blocks": len(valid_blocks),
-        "train_tokens": sum(map(len, train_blocks)), "valid_tokens": sum(map(len, valid_blocks)),
     }
-    write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=1) + "\n")
-    return meta
+    return write_prepared(out_dir, {"train": train_blocks, "valid": valid_blocks}, meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = prepare(args.tokenizer, args.train, args.valid, args.block_size, args.out_dir,
                        0.05 if args.valid_fraction is None else args.valid_fraction)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # a bad file; a write that failed (no meta.json then)
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{meta['train_blocks']} training blocks ({meta['train_tokens']} tokens), {meta['valid_blocks']} "

@@ -41,10 +41,8 @@ import sys
 from pathlib import Path
 
 import lora_core
-from lora_core.data.nlg import check_data_file, read_jsonl
-from lora_core.data.text import check_tokenizer_fits
+from lora_core.data.text import check_tokenizer_fits, model_eos_ids, read_prepared
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
-from lora_core.formats.tensor_files import read_json
 from lora_core.models import llama as llama_spec
 from lora_core.models.build import checkpoint_family
 from lora_core.train import allocator
@@ -67,31 +65,10 @@ from ..run_options import (
 RANDOM_PRESETS = sorted(set(llama_spec.PRESETS) | set(lora_core.PRESETS))
 
 
-def read_prepared(prepared: Path) -> tuple[list[dict], list[dict], dict]:
-    """The blocks of ``examples.lm.prepare`` and its ``meta.json``."""
-    if prepared.exists() and not prepared.is_dir():
-        raise ValueError(f"--prepared {prepared}: a file, not a folder (the output folder of examples.lm.prepare)")
-    meta_path = prepared / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: no such file (run examples.lm.prepare first)")
-    meta = read_json(meta_path)
-    if type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
-        raise ValueError(f"{meta_path}: no 'vocab_size' (a positive int: the tokenizer's size) in it; "
-                         f"run examples.lm.prepare again")  # fmt: skip
-    out = []
-    for split in ("train", "valid"):
-        path = check_data_file(prepared / f"{split}.jsonl", hint="run examples.lm.prepare first")
-        recs = read_jsonl(path)
-        for i, r in enumerate(recs, 1):
-            ids = r.get("ids")
-            if not isinstance(ids, list) or len(ids) < 2 or not all(type(t) is int and t >= 0 for t in ids):
-                raise ValueError(f"{path}: line {i}: 'ids' must be a list of at least 2 token ids")
-        out.append(recs)
-    return out[0], out[1], meta
-
-
-def build(backend, args, comm):
-    """The base model (4-bit with ``--quantize``) and a note of where it came from."""
+def build(backend, args, comm, eos_id: int | None = None):
+    """The base model (4-bit with ``--quantize``) and a note of where it came from; a
+    ``--random-init`` Llama-family base names ``eos_id`` (the prepared data's end-of-text token)
+    as its ``eos_token_id``, so that its saved ``config.json`` matches the tokenizer."""
     quant = quantize_kwargs(args)
     if args.init_checkpoint:
         note = with_quantize_note(str(args.init_checkpoint), args, args.init_checkpoint)
@@ -99,7 +76,8 @@ def build(backend, args, comm):
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     base_dir = Path(args.out_dir) / "base"
     if args.random_init in llama_spec.PRESETS:
-        cfg = llama_spec.llama_config(args.random_init, **overrides)
+        eos = {} if eos_id is None else {"eos_token_id": eos_id}
+        cfg = llama_spec.llama_config(args.random_init, **overrides, **eos)
         weights = llama_spec.init_llama_weights(cfg, args.init_seed)
         if args.save_base or quant:  # a 4-bit base is quantized while it loads from OUT/base
             comm.on_main(write_base, args, base_dir, write_hf_checkpoint, cfg.to_hf_dict(), weights)
@@ -131,10 +109,13 @@ def model_kind(args) -> str:
 
 
 def check_fits(model, meta: dict, blocks: list[dict], prepared: Path, fix: str = "") -> None:
-    """The data was made for this model: its tokenizer's ids fit the vocabulary and its
-    blocks fit the positions (``fix``: what the vocabulary error adds, the option that fixes it)."""
+    """The data was made for this model: its tokenizer is the model's (vocabulary, end-of-text
+    id: ``check_tokenizer_fits``) and its blocks fit the positions (``fix``: what the vocabulary
+    error adds, the option that fixes it)."""
+    eos = meta.get("eos_id")
     check_tokenizer_fits(int(meta["vocab_size"]), model.config.vocab_size,
-                         f"{prepared / 'meta.json'}: the tokenizer {meta.get('tokenizer')}", fix)
+                         f"{prepared / 'meta.json'}: the tokenizer {meta.get('tokenizer')}", fix,
+                         eos_id=eos if type(eos) is int else None, model_eos=model_eos_ids(model.config))
     longest = max(len(b["ids"]) for b in blocks) - 1  # the model reads block[:-1]
     if longest > max_positions(model):
         raise ValueError(f"{prepared}: blocks of {longest + 1} tokens exceed the model's {max_positions(model)} "
@@ -181,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         train_blocks, valid_blocks, meta = read_prepared(args.prepared)
         backend = lora_core.get_backend(args.backend)
         comm = job.start(backend, args.dist_timeout)
-        model, note = build(backend, args, comm)
+        model, note = build(backend, args, comm, meta.get("eos_id"))
         fix = f" (a --random-init model: give --vocab-size {meta['vocab_size']})" if args.random_init and not args.vocab_size else ""
         check_fits(model, meta, train_blocks + valid_blocks, args.prepared, fix)
         if cfg.method == "lora":

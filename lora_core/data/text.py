@@ -13,17 +13,27 @@ token of the stream is in exactly one block, in order (``pack_blocks`` checks it
 A block trains as ``(block[:1], block[1:])`` (``lora_core.train.tasks.LMTask``): the model reads
 ``block[:-1]`` and predicts every token after the first, the loss ``run_clm`` computes on the
 same block.
+
+A prepared folder (``examples.lm.prepare``) is a set of three files: ``train.jsonl`` and
+``valid.jsonl`` (``{"ids": [...]}`` per block) and ``meta.json`` (tokenizer, vocabulary size,
+end-of-text id, block size, block and token counts, and the SHA-256 of each JSONL file).
+:func:`write_prepared` removes ``meta.json`` first and writes it last, so a run that fails
+half-way leaves no set; :func:`read_prepared` refuses a folder whose files are not the ones its
+``meta.json`` describes (a mix of two preparations).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from .tokenizer import EOS_TOKEN, Tokenizer, load_tokenizer
 
-__all__ = ["read_utf8", "read_documents", "load_text_tokenizer", "pack_blocks", "check_tokenizer_fits", "tokenize_documents"]
+__all__ = ["read_utf8", "read_documents", "load_text_tokenizer", "pack_blocks", "check_tokenizer_fits", "tokenize_documents",
+           "model_eos_ids", "write_prepared", "read_prepared", "PREPARED_SPLITS"]
 
 
 def read_utf8(path: str | os.PathLike, what: str = "text to train on") -> str:
@@ -106,10 +116,114 @@ def pack_blocks(docs_ids: Sequence[Sequence[int]], block_size: int, eos_id: int 
     return blocks
 
 
-def check_tokenizer_fits(vocab_size: int, model_vocab: int, what: str = "the tokenizer", fix: str = "") -> None:
-    """Refuse a tokenizer whose ids do not fit the model's embedding (a different model's
-    tokenizer); a model may have more rows than the tokenizer (padded vocabularies). ``fix`` is
+# a model's embedding may have more rows than its tokenizer has tokens (rounded up for the GEMMs:
+# Qwen2 0.2%, Phi-2 1.8%, GPT-NeoX 0.3% more); a tokenizer covering less than this share of the
+# rows is another, smaller model's
+MIN_TOKENIZER_COVERAGE = 0.9
+
+
+def model_eos_ids(config) -> tuple[int, ...] | None:
+    """The end-of-text ids a model's config names (``eos_token_id``: an int or a list, as in
+    transformers' Llama-family ``config.json``), or None where it names none (GPT-2's config
+    here keeps no such field: GPT-2 checkpoints all use ``<|endoftext|>``)."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return None
+    ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return tuple(int(i) for i in ids if i is not None) or None
+
+
+def check_tokenizer_fits(vocab_size: int, model_vocab: int, what: str = "the tokenizer", fix: str = "",
+                         eos_id: int | None = None, model_eos: Sequence[int] | None = None) -> None:
+    """Refuse a tokenizer that is not the model's: its ids do not fit the embedding; it covers
+    less than ``MIN_TOKENIZER_COVERAGE`` of the embedding's rows (a model may have a few more rows
+    than its tokenizer's tokens: padded vocabularies); or its end-of-text id ``eos_id`` is not
+    one of the ``model_eos`` ids the model's config names (where both are known). ``fix`` is
     appended to the message (the option that fixes it, where the caller knows one)."""
     if vocab_size > model_vocab:
         raise ValueError(f"{what} has {vocab_size} tokens but the model's vocabulary has {model_vocab}: "
                          f"not this model's tokenizer{fix}")
+    if vocab_size < MIN_TOKENIZER_COVERAGE * model_vocab:
+        raise ValueError(f"{what} has {vocab_size} tokens but the model's vocabulary has {model_vocab} "
+                         f"({model_vocab - vocab_size} rows no token would reach; a padded vocabulary adds a few "
+                         f"percent): not this model's tokenizer{fix}")  # fmt: skip
+    if eos_id is not None and model_eos and eos_id not in model_eos:
+        names = model_eos[0] if len(model_eos) == 1 else list(model_eos)
+        raise ValueError(f"{what} ends a text with token id {eos_id} but the model's config names eos_token_id "
+                         f"{names}: not this model's tokenizer{fix}")  # fmt: skip
+
+
+PREPARED_SPLITS = ("train", "valid")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_prepared(out_dir: str | os.PathLike, blocks: dict[str, list[list[int]]], meta: dict) -> dict:
+    """Write a prepared folder (module docstring): ``blocks`` of each split in
+    ``PREPARED_SPLITS``; ``meta`` gains the block and token counts and the files' SHA-256.
+    ``meta.json`` goes first and comes back last: a failure in between leaves a folder that
+    :func:`read_prepared` refuses, never a mix of two preparations. Returns the meta written."""
+    from .nlg import write_text_atomic
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    meta = dict(meta, sha256={})
+    for split in PREPARED_SPLITS:
+        text = "".join(json.dumps({"ids": b}) + "\n" for b in blocks[split])
+        write_text_atomic(out / f"{split}.jsonl", text)
+        meta[f"{split}_blocks"] = len(blocks[split])
+        meta[f"{split}_tokens"] = sum(map(len, blocks[split]))
+        meta["sha256"][f"{split}.jsonl"] = _sha256(text.encode("utf-8"))
+    write_text_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def read_prepared(prepared: str | os.PathLike, option: str = "--prepared") -> tuple[list[dict], list[dict], dict]:
+    """The training and validation blocks of a prepared folder and its ``meta.json``, checked:
+    every block a list of at least two token ids below the vocabulary size and no longer than the
+    block size; the files the ones ``meta.json`` describes (their SHA-256, or in a folder written
+    before the digests were kept, their block counts). Each problem raises ValueError (or
+    FileNotFoundError) naming the file."""
+    from ..formats.tensor_files import read_json
+    from .nlg import check_data_file, read_jsonl
+
+    prepared = Path(prepared)
+    again = "run examples.lm.prepare again"
+    if prepared.exists() and not prepared.is_dir():
+        raise ValueError(f"{option} {prepared}: a file, not a folder (the output folder of examples.lm.prepare)")
+    meta_path = prepared / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: no such file (run examples.lm.prepare first; a preparation that "
+                                f"failed half-way leaves none)")  # fmt: skip
+    meta = read_json(meta_path)
+    if type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
+        raise ValueError(f"{meta_path}: no 'vocab_size' (a positive int: the tokenizer's size) in it; {again}")
+    for key in ("block_size", *(f"{s}_blocks" for s in PREPARED_SPLITS)):
+        if type(meta.get(key)) is not int or meta[key] < 1:
+            raise ValueError(f"{meta_path}: no '{key}' (a positive int) in it; {again}")
+    digests = meta.get("sha256")
+    out = []
+    for split in PREPARED_SPLITS:
+        path = check_data_file(prepared / f"{split}.jsonl", hint="run examples.lm.prepare first")
+        recs = read_jsonl(path)
+        for i, r in enumerate(recs, 1):
+            ids = r.get("ids")
+            if not isinstance(ids, list) or len(ids) < 2 or not all(type(t) is int and t >= 0 for t in ids):
+                raise ValueError(f"{path}: line {i}: 'ids' must be a list of at least 2 token ids")
+            if len(ids) > meta["block_size"]:
+                raise ValueError(f"{path}: line {i}: a block of {len(ids)} tokens, longer than the block size "
+                                 f"{meta['block_size']} of {meta_path}; {again}")  # fmt: skip
+            if max(ids) >= meta["vocab_size"]:
+                raise ValueError(f"{path}: line {i}: token id {max(ids)} is not below the vocabulary size "
+                                 f"{meta['vocab_size']} of {meta_path}; {again}")  # fmt: skip
+        if len(recs) != meta[f"{split}_blocks"]:
+            raise ValueError(f"{path}: {len(recs)} blocks, but {meta_path} says {meta[f'{split}_blocks']}: the folder "
+                             f"mixes two preparations; {again}")  # fmt: skip
+        if isinstance(digests, dict) and _sha256(path.read_bytes()) != digests.get(path.name):
+            raise ValueError(f"{path}: not the file {meta_path} describes (its SHA-256 differs: the folder mixes two "
+                             f"preparations, or the file was changed); {again}")  # fmt: skip
+        out.append(recs)
+    return out[0], out[1], meta
