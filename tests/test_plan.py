@@ -577,17 +577,112 @@ def test_family_counts_replace_the_systems_llama_counts():
 
 def test_cli_zero_engine_and_jittor_stage_3(capsys):
     """``--zero-engine``: DeepSpeed's stage 2 keeps the weights whole, FSDP2's gathers the trained
-    ones beside its shards; Jittor's stage 3 is refused by name."""
-    args = ["--model", "llama-bench", "--method", "full", "--zero", "2", "--ranks", "2"]
+    ones beside its shards (transformers + peft, which the bench runs on both); Jittor's stage 3 is
+    refused by name; the header names the engine."""
+    args = ["--model", "llama-bench", "--method", "full", "--zero", "2", "--ranks", "2", "--system", "hf-peft"]
     weights = {}
     for engine in ("fsdp2", "deepspeed"):
         assert main([*args, "--zero-engine", engine]) == 0
         out = capsys.readouterr().out
+        assert f"ZeRO-2 on {engine} over 2 rank(s)" in out.splitlines()[0]
         weights[engine] = float(next(ln for ln in out.splitlines() if ln.strip().startswith("weights")).split()[1])
     assert weights["fsdp2"] == pytest.approx(1.5 * weights["deepspeed"], rel=1e-3)
     with pytest.raises(SystemExit):
         main(["--model", "tiny-llama", "--zero", "3", "--ranks", "2", "--system", "ours-jittor", "--seq", "128"])
     assert "stage 3 is not available in ours-jittor" in capsys.readouterr().err
+
+
+def test_cli_zero_engine_only_one_the_system_runs_and_only_with_zero(capsys):
+    """Each system takes only the engines its runs shard ZeRO on (``SYSTEM_ZERO_ENGINES``, its
+    default first: the bench's hf-peft engines, ``System.zero_engine``): Jittor's stage 3 is not
+    planned on FSDP2, ours-torch not on Jittor's MPI engine; an engine without ``--zero 2|3`` is
+    refused; a ZeRO plan's header names the engine, the system's default where none is given."""
+    from examples.lm.bench_systems import HF_ZERO_ENGINES
+    from lora_core.plan.cli import SYSTEM_ZERO_ENGINES
+
+    assert set(SYSTEM_ZERO_ENGINES) == set(SYSTEMS) and SYSTEM_ZERO_ENGINES["hf-peft"] == HF_ZERO_ENGINES
+    assert all(engines[0] == SYSTEMS[s].zero_engine for s, engines in SYSTEM_ZERO_ENGINES.items())
+    assert SYSTEM_ZERO_ENGINES["ours-torch"] == ("fsdp2",) and SYSTEM_ZERO_ENGINES["ours-jittor"] == ("mpi",)
+    base = ["--model", "llama-bench", "--seq", "128"]
+    for argv, words in (
+        (["--system", "ours-jittor", "--zero", "3", "--ranks", "2", "--zero-engine", "fsdp2"],
+         "--zero-engine fsdp2: ours-jittor runs ZeRO on mpi only"),
+        (["--system", "ours-torch", "--method", "full", "--zero", "2", "--ranks", "2", "--zero-engine", "mpi"],
+         "--zero-engine mpi: ours-torch runs ZeRO on fsdp2 only"),
+        (["--system", "hf-peft", "--zero", "2", "--ranks", "2", "--zero-engine", "mpi"],
+         "--zero-engine mpi: hf-peft runs ZeRO on fsdp2 or deepspeed only"),
+        (["--zero-engine", "fsdp2"], "--zero-engine fsdp2 shards a ZeRO run: it needs --zero 2 or 3, not --zero 0"),
+        (["--system", "hf-peft", "--zero-engine", "deepspeed"], "--zero-engine deepspeed shards a ZeRO run: it needs --zero 2 or 3, not --zero 0"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main([*base, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"lora-plan: error: {words}" in err, err
+    for argv, said in ((["--zero", "3", "--ranks", "2"], "ZeRO-3 on fsdp2 over 2 rank(s)"),
+                       (["--system", "ours-jittor", "--zero", "2", "--ranks", "2"], "ZeRO-2 on mpi over 2 rank(s)"),
+                       (["--system", "gpu", "--zero", "3", "--ranks", "4"], "ZeRO-3 on deepspeed over 4 rank(s)"),
+                       (["--system", "ours-jittor", "--zero", "2", "--ranks", "2", "--zero-engine", "mpi"], "ZeRO-2 on mpi"),
+                       ([], "ZeRO-0 over 1 rank(s)")):  # fmt: skip
+        assert main([*base, *argv]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert said in header, header
+
+
+def test_cli_notes_heap_trim_and_allocator_where_they_change_nothing(capsys):
+    """``--heap-trim on|off`` where no run trims (a system without a trim, GPT-2 on ours-torch, a
+    run under tcmalloc) and ``--allocator glibc|tcmalloc`` for a system that does not choose its
+    malloc are planned as without them, with a one-line note on stderr; where they change the plan
+    no note; ``--heap-trim off`` at ZeRO-3 on ours-torch notes the release it skips (not planned)."""
+    base = ["--model", "llama-bench", "--seq", "128"]
+
+    def run(*argv):
+        assert main([*base, *argv]) == 0
+        out, err = capsys.readouterr()
+        return float(next(x for x in out.splitlines() if x.startswith("per-rank peak")).split()[2]), err
+
+    trim_tc = "--heap-trim {} does not change the plan: under tcmalloc (--allocator auto: ours-torch's llama runs)"
+    alloc_hf = "--allocator {} does not change the plan: hf-peft's runs do not choose their malloc"
+    for same in (  # runs planned the same, each with the note its options get (None: none)
+        ((["--heap-trim", "on"], trim_tc.format("on")), (["--heap-trim", "off"], trim_tc.format("off")), ([], None)),
+        ((["--system", "hf-peft", "--heap-trim", "on"], "--heap-trim on does not change the plan: hf-peft's runs never trim"),
+         (["--system", "hf-peft"], None)),
+        ((["--system", "ours-jittor", "--heap-trim", "off"], "--heap-trim off does not change the plan: ours-jittor's runs never trim"),
+         (["--system", "ours-jittor"], None)),
+        ((["--model", "gpt2", "--heap-trim", "on", "--allocator", "glibc"],
+          "--heap-trim on does not change the plan: ours-torch trims the heap in llama layers only, not gpt2's"),
+         (["--model", "gpt2", "--allocator", "glibc"], None)),
+        ((["--system", "hf-peft", "--allocator", "tcmalloc"], alloc_hf.format("tcmalloc")),
+         (["--system", "hf-peft", "--allocator", "glibc"], alloc_hf.format("glibc")), (["--system", "hf-peft"], None)),
+    ):  # fmt: skip
+        peaks = []
+        for argv, note in same:
+            peak, err = run(*argv)
+            peaks.append(peak)
+            assert (err == "") if note is None else (err.startswith(f"lora-plan: note: {note}") and err.count("\n") == 1), (argv, err)
+        assert len(set(peaks)) == 1, (same, peaks)
+    # where they change the plan: no note
+    for argv in (["--allocator", "glibc", "--heap-trim", "on"], ["--allocator", "glibc"], ["--allocator", "tcmalloc"]):
+        assert run(*argv)[1] == "", argv
+    assert run("--allocator", "glibc", "--heap-trim", "on")[0] != run("--allocator", "glibc", "--heap-trim", "off")[0]
+    for argv in (["--allocator", "glibc"], []):
+        err = run("--zero", "3", "--ranks", "2", "--heap-trim", "off", *argv)[1]
+        assert len(err.splitlines()) == 1 and "at ZeRO-3 the run skips the release" in err, err
+    assert run("--zero", "3", "--ranks", "2", "--heap-trim", "on", "--allocator", "glibc")[1] == ""
+
+
+def test_python_m_lora_core_plan_runs_the_cli():
+    """``python -m lora_core.plan``: the console command (``lora_core/plan/__main__.py``), its
+    errors one line with status 2."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "lora_core.plan", "--model", "tiny-llama", "--seq", "64"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0 and "per-rank peak" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "lora_core.plan", "--model", "tiny-llama", "--zero-engine", "fsdp2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("lora-plan: error: --zero-engine fsdp2")
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("path", ZERO_JSONS, ids=[p.name for p in ZERO_JSONS])
@@ -663,3 +758,138 @@ def test_cuda_systems_within_ten_percent_of_the_gpu_run(path):
 
 def test_gpu_run_committed():
     assert GPU_JSONS, "docs/bench/gpu/h200_lm_<shape>_<hash>.json: the GPU methods run"
+
+
+def _validate(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``python -m lora_core.plan.validate`` in this process: its status, stdout, stderr."""
+    from lora_core.plan.validate import main as validate_main
+
+    try:
+        code = validate_main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_loso_fits_a_familys_counts_on_its_remaining_shapes(capsys):
+    """``--loso`` holding out one of Jittor's GPT-2 shapes fits that family's counts
+    (``FAMILY_FITTED``) on the family's two other shapes, not on ``FAMILY_FIT_SHAPES`` less the one
+    held out (one shape for three counts: 103% and 47% off): each shape's rows within 7.2% of
+    the counts fitted on the other two (docs/planning.md)."""
+    from lora_core.plan.validate import fitted, leave_one_shape_out, predict
+
+    rows = bench_rows(BENCH_JSONS + ZERO_JSONS)
+    family = sorted({r["shape"] for r in rows if (r["system"], r["family"]) in FAMILY_FITTED})
+    assert family == ["gpt2 2x256", "gpt2 L3 1x512", "gpt2 L6 4x128"]
+    loso = leave_one_shape_out(rows)
+    for shape in family:
+        rest = [r for r in rows if r["shape"] != shape]
+        others = set(family) - {shape}
+        assert {r["shape"] for r in fit_rows(rest, "ours-jittor", "gpt2", {r["shape"] for r in rest})} == others
+        jit = fitted(rest, family_shapes=others)["ours-jittor"]
+        err = max(abs(predict(r, jit) - r["measured"]) / r["measured"] * 100
+                  for r in rows if r["shape"] == shape and r["system"] == "ours-jittor")  # fmt: skip
+        assert loso[shape]["ours-jittor"] == pytest.approx(err) and err < 7.25, (shape, err)
+    code, out, _ = _validate(["--loso", *BENCH_JSONS, *ZERO_JSONS], capsys)
+    lines = {ln.split("  ")[0].removeprefix("held out ").strip(): ln for ln in out.splitlines() if ln.startswith("held out")}
+    assert code == 0 and set(lines) == {r["shape"] for r in rows}
+    for shape in family:
+        assert f"ours-jittor {loso[shape]['ours-jittor']:4.1f}%" in lines[shape], lines[shape]
+
+
+def test_loso_says_n_a_where_a_system_has_no_other_shape_and_refuses_one_shape(capsys):
+    """A system whose held-out rows' constants no other shape's rows can be fitted on is reported
+    ``n/a`` (not its ``SYSTEMS`` values, fitted on the held-out shape too); one shape: refused."""
+    from lora_core.plan.validate import leave_one_shape_out
+
+    bench = ROOT / "docs" / "bench"
+    paths = [bench / "lm_methods_tiny-llama-torch-tcmalloc_98c5579.json",
+             bench / "lm_methods_llama-bench-torch-tcmalloc_98c5579.json", bench / "lm_methods_tiny-llama_a1add64.json"]  # fmt: skip
+    loso = leave_one_shape_out(bench_rows(paths))
+    tiny, big = loso["tiny-llama 2x64"], loso["llama-bench 2x256"]
+    assert set(tiny) == {"ours-torch", "ours-jittor", "hf-peft"} and set(big) == {"ours-torch"}
+    assert np.isnan(tiny["hf-peft"]) and np.isnan(tiny["ours-jittor"])
+    assert 0 < tiny["ours-torch"] < 100 and 0 < big["ours-torch"] < 100
+    code, out, err = _validate(["--loso", *paths], capsys)
+    assert code == 0 and "hf-peft  n/a" in out and "(n/a: no other shape's rows" in out, (out, err)
+    code, out, err = _validate(["--loso", paths[0]], capsys)
+    assert code == 2 and err.splitlines()[-1] == ("python -m lora_core.plan.validate: error: leaving one shape out "
+                                                  "(--loso) needs rows of two shapes or more, these are all 'tiny-llama 2x64'")  # fmt: skip
+
+
+_TINY_FILE = "lm_methods_tiny-llama-torch-tcmalloc_98c5579.json"
+_ZERO_FILE = "lm_zero_llama-bench-torch-tcmalloc_26de915.json"
+
+
+def _first(d: dict) -> str:
+    return next(k for k, runs in d["raw"].items() if any(r.get("train_peak_anon_mb") for r in runs))
+
+
+@pytest.mark.parametrize("name, change, words", [
+    (_TINY_FILE, lambda d: d["settings"].pop("shape"), "settings: no 'shape' (the bench's model preset)"),
+    (_TINY_FILE, lambda d: d["settings"].update(shape="nope"), "settings.shape: 'nope' is not a model preset"),
+    (_TINY_FILE, lambda d: d["settings"].update(batch=0), "settings.batch: expected a positive integer, got 0"),
+    (_TINY_FILE, lambda d: d["settings"].update(block="64"), "settings.block: expected a positive integer, got '64'"),
+    (_TINY_FILE, lambda d: d["settings"].update(layers=True), "settings.layers: expected a positive integer or null, got True"),
+    (_TINY_FILE, lambda d: d["settings"].update(malloc_trim="maybe"), "settings.malloc_trim: 'maybe' is not one of auto, on, off"),
+    (_TINY_FILE, lambda d: d.update(settings=[]), "settings: expected an object, got list"),
+    (_TINY_FILE, lambda d: d.update(raw=list(d["raw"].values())), "raw: expected an object of 'system method' -> runs, got list"),
+    (_TINY_FILE, lambda d: d["raw"].update({_first(d): {}}), "raw[{key!r}]: expected a list of runs, got dict"),
+    (_TINY_FILE, lambda d: d["raw"][_first(d)].__setitem__(0, 5), "raw[{key!r}][0]: expected a run (an object), got int"),
+    (_TINY_FILE, lambda d: d["raw"][_first(d)][0].update(train_peak_anon_mb="12"),
+     "raw[{key!r}][0].train_peak_anon_mb: expected a positive number of MB, got '12'"),
+    (_TINY_FILE, lambda d: d["raw"][_first(d)][0].update(train_peak_anon_mb=-5.0),
+     "raw[{key!r}][0].train_peak_anon_mb: expected a positive number of MB, got -5.0"),
+    (_TINY_FILE, lambda d: d["raw"][_first(d)][0].update(allocator="jemalloc"),
+     "raw[{key!r}][0].allocator: 'jemalloc' is not one of glibc, tcmalloc"),
+    (_TINY_FILE, lambda d: d["raw"].update({"ours-torch lora-z5": d["raw"][_first(d)]}),
+     "raw['ours-torch lora-z5']: unknown bench method 'lora-z5'"),
+    (_ZERO_FILE, lambda d: d["settings"].update(ranks=1), "settings.ranks: 1, but the ZeRO row {key!r} needs 2 ranks or more"),
+    (_TINY_FILE, lambda d: d["settings"].update(block=129), "{name}: {key}: seq 129: sequence of 129 tokens exceeds max_position_embeddings=128"),
+])  # fmt: skip
+def test_validate_refuses_a_field_the_bench_does_not_write_in_one_line(name, change, words, tmp_path, capsys):
+    """Each in one line naming the file and the key (no traceback), status 2, with or without
+    ``--fit``/``--loso``; the planner's own refusals of a row name its file and row."""
+    d = json.loads((ROOT / "docs" / "bench" / name).read_text())
+    key = _first(d)
+    change(d)
+    path = tmp_path / name
+    path.write_text(json.dumps(d))
+    want = words.format(key=key, name=name)
+    for extra in ([], ["--fit"], ["--loso"]):
+        code, out, err = _validate([*extra, path], capsys)
+        last = err.splitlines()[-1]
+        assert code == 2 and out == "" and "Traceback" not in err, (extra, err)
+        prefix = "python -m lora_core.plan.validate: error: "
+        assert last.startswith(prefix) and (f"{path}: {want}" in last or last == prefix + want), (extra, last)
+
+
+def test_validate_fit_skips_a_system_without_rows_and_refuses_where_none_can_be_fitted(capsys):
+    """``--fit`` over one ours-torch file (its rows under tcmalloc only) fits what it can, says in
+    one line per fit what it skips (the other systems keep ``SYSTEMS``' values) and plans the table
+    with what it fitted, ``SYSTEMS`` untouched; over ZeRO rows alone (never fitted) it is refused."""
+    from lora_core.plan.validate import NotFitted, fitted, predict
+
+    path = ROOT / "docs" / "bench" / "lm_methods_llama-bench-torch-tcmalloc_98c5579.json"
+    rows = bench_rows([path])
+    with pytest.raises(NotFitted, match=r"^hf-peft: 0 row\(s\) to fit its 4 constants \(heap, heap_layers, full_heap, act_scale\)"):
+        fit(rows, "hf-peft")
+    before = dict(SYSTEMS)
+    code, out, err = _validate(["--fit", path], capsys)
+    assert code == 0 and SYSTEMS == before
+    notes = err.splitlines()
+    prefix = "python -m lora_core.plan.validate: note: not fitted, SYSTEMS' values kept: "
+    assert all(n.startswith(prefix) for n in notes), notes
+    assert sorted(n.removeprefix(prefix).split(":")[0] for n in notes) == ["hf-peft", "ours-jittor", "ours-jittor gpt2", "ours-torch"]
+    got = fitted(rows)["ours-torch"].tcmalloc
+    assert f"ours-torch under tcmalloc: heap {got['heap']:.3f}, act_scale {got['act_scale']:.3f}" in out
+    assert not any(ln.startswith(("hf-peft:", "ours-jittor:", "ours-torch:")) for ln in out.splitlines()), out
+    assert got["heap"] != pytest.approx(SYSTEMS["ours-torch"].tcmalloc["heap"], abs=0.01)
+    systems = fitted(rows)
+    r = max(rows, key=lambda r: abs(predict(r, systems[r["system"]]) - predict(r)))
+    pred = predict(r, systems[r["system"]])
+    assert abs(pred - predict(r)) > 2 and f"| {r['measured']:.0f} | {pred:.0f} |" in out, out
+    code, out, err = _validate(["--fit", ROOT / "docs" / "bench" / _ZERO_FILE], capsys)
+    assert code == 2 and "Traceback" not in err and err.splitlines()[-1].startswith(
+        "python -m lora_core.plan.validate: error: --fit: no system's constants can be fitted on these rows")

@@ -4,10 +4,16 @@ Usage::
 
     lora-plan --model llama-3.2-3b --method lora --targets q_proj,k_proj,v_proj,o_proj --r 8 \
         --precision bf16 --gc --zero 0 --ranks 1 --batch 4 --seq 512 --system gpu
-    python -m lora_core.plan.cli --model path/to/config.json --method full --zero 3 --ranks 8
+    python -m lora_core.plan --model path/to/config.json --method full --zero 3 --ranks 8
 
 ``--model``: a ``config.json`` (or its folder) of GPT-2 or the Llama family (llama, mistral,
 qwen2), or a preset name of ``lora_core.models.llama.PRESETS`` / ``lora_core.PRESETS``.
+
+``--zero-engine`` takes only an engine the system's runs shard ZeRO on (``SYSTEM_ZERO_ENGINES``)
+and only with ``--zero 2`` or ``3``; the plan's header names the engine of a ZeRO plan.
+``--heap-trim on|off`` and ``--allocator glibc|tcmalloc`` where the planner models no effect of
+them (a system that never trims its heap or chooses its malloc, a GPT-2 model for the trim, a
+run under tcmalloc for the trim) are planned as without them, with a one-line note on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import sys
 
 from ..models.gpt2 import GPT2Config
 from ..train.allocator import MODES as ALLOCATOR_MODES
+from ..train.allocator import wanted as under_tcmalloc
 from ..train.heap import TRIM_MODES
 from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConfig, fmt_plan, plan, resolve_model
 
@@ -26,6 +33,13 @@ from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConf
 # family; GPT-2's fused qkv product (the paper adapts its q and v slices)
 DEFAULT_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj"), "gpt2": ("c_attn",)}
 DEFAULT_R = 8
+# the engines each system's runs shard ZeRO on, its default (``System.zero_engine``) first: ours-torch
+# on FSDP2 (its torch backend), ours-jittor on its MPI engine (AdamW's moments; no stage 3), the
+# bench's transformers + peft on FSDP2 or DeepSpeed (``examples.lm.bench_systems.HF_ZERO_ENGINES``),
+# the generic ``gpu`` system on DeepSpeed or FSDP2
+SYSTEM_ZERO_ENGINES = {"ours-torch": ("fsdp2",), "ours-torch-cuda": ("fsdp2",), "ours-jittor": ("mpi",),
+                       "hf-peft": ("fsdp2", "deepspeed"), "hf-peft-cuda": ("fsdp2", "deepspeed"),
+                       "gpu": ("deepspeed", "fsdp2")}  # fmt: skip
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -60,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default="ours-torch", choices=sorted(SYSTEMS),
                    help="what runs it (ours-torch, ours-jittor, hf-peft: the CPU; *-cuda, gpu: a GPU)")
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
-                   help="what shards a ZeRO run (default: the system's; gpu: deepspeed, ours-jittor: mpi, else fsdp2)")
+                   help="what shards a ZeRO run (--zero 2|3), one the system runs: "
+                        + "; ".join(f"{s}: {'|'.join(e)}" for s, e in SYSTEM_ZERO_ENGINES.items()) + " (None: the first)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline (MB)")
     p.add_argument("--heap-trim", default="auto", choices=TRIM_MODES,
                    help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
@@ -71,6 +86,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def option_notes(args: argparse.Namespace, family: str) -> list[str]:
+    """One line per option given that the planner models no effect of for this run:
+    ``--heap-trim on|off`` where nothing is trimmed (a system without ``trim_kinds``, a model
+    kind it does not trim, a run under tcmalloc), ``--allocator glibc|tcmalloc`` for a system
+    without constants for tcmalloc (``System.tcmalloc``: only ours-torch chooses its malloc);
+    and ``--heap-trim off`` at ZeRO-3 on ours-torch, whose run then skips a release the plan
+    assumes (docs/planning.md)."""
+    sysm, notes = SYSTEMS[args.system], []
+    if args.heap_trim != "auto":
+        why = ""
+        if not sysm.trim_kinds:
+            why = f"{args.system}'s runs never trim the heap (LORA_MALLOC_TRIM is read by ours-torch's Llama steps)"
+        elif family not in sysm.trim_kinds:
+            why = f"{args.system} trims the heap in {', '.join(sysm.trim_kinds)} layers only, not {family}'s"
+        elif sysm.tcmalloc and under_tcmalloc(args.allocator, args.system, family):
+            why = (f"under tcmalloc (--allocator {args.allocator}" + (f": {args.system}'s {family} runs" if args.allocator == "auto" else "")
+                   + ") nothing is trimmed; --allocator glibc plans a trimmed run")  # fmt: skip
+        # ours-torch's ZeRO-3 step returns the allocator's free memory before FSDP2 gathers the root
+        # unit unless LORA_MALLOC_TRIM=0 (lora_core.train.heap.releases_before_gather): not modelled
+        release = args.heap_trim == "off" and args.zero == 3 and bool(sysm.trim_kinds)
+        unplanned = ("at ZeRO-3 the run skips the release of freed memory before FSDP2's root gather, which can "
+                     "hold 30-60 MB more than planned (not modelled)")  # fmt: skip
+        if why:
+            notes.append(f"--heap-trim {args.heap_trim} does not change the plan: {why}" + (f"; {unplanned}" if release else ""))
+        elif release:
+            notes.append(f"--heap-trim off: {unplanned}")
+    if args.allocator != "auto" and not sysm.tcmalloc:
+        notes.append(f"--allocator {args.allocator} does not change the plan: {args.system}'s runs do not choose "
+                     "their malloc (LORA_ALLOCATOR is read by ours-torch's CPU runs)")  # fmt: skip
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -78,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--targets and --r choose LoRA's adapters; --method full trains every weight (leave them out)")
     if args.overhead_mb is not None and not (math.isfinite(args.overhead_mb) and args.overhead_mb >= 0):
         p.error(f"--overhead-mb must be a number >= 0, got {args.overhead_mb}")
+    engines = SYSTEM_ZERO_ENGINES.get(args.system, (SYSTEMS[args.system].zero_engine,))
+    if args.zero_engine is not None and args.zero not in (2, 3):
+        p.error(f"--zero-engine {args.zero_engine} shards a ZeRO run: it needs --zero 2 or 3, not --zero {args.zero}")
+    if args.zero_engine is not None and args.zero_engine not in engines:
+        p.error(f"--zero-engine {args.zero_engine}: {args.system} runs ZeRO on {' or '.join(engines)} only")
+    engine = args.zero_engine or SYSTEMS[args.system].zero_engine
     try:
         cfg, name = resolve_model(args.model)
         family = "gpt2" if isinstance(cfg, GPT2Config) else "llama"
@@ -90,7 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(cfg, c, sysm)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    print(fmt_plan(result, c, name))
+    for note in option_notes(args, family):
+        print(f"{p.prog}: note: {note}", file=sys.stderr)
+    text = fmt_plan(result, c, name)
+    if c.zero:  # the engine beside the stage in the header
+        zero = f"ZeRO-{c.zero} over {c.ranks} rank(s)"
+        head, _, rest = text.partition("\n")
+        head = head.replace(zero, f"ZeRO-{c.zero} on {engine} over {c.ranks} rank(s)", 1) if zero in head else f"{head}, ZeRO on {engine}"
+        text = f"{head}\n{rest}"
+    print(text)
     return 0
 
 

@@ -11,6 +11,17 @@ Command::
 ``--hold-out`` takes shape labels as the table prints them (the shape with its batch, e.g.
 ``llama-3.2-1b 1x256``) or file names; one that names no row is refused.
 
+``--loso`` (leave one shape out) fits every constant, a family's counts (``FAMILY_FITTED``)
+included, on the other shapes' rows (a family's counts on the family's remaining shapes) and
+prints each held-out shape's largest |error| per system; ``n/a`` where a system's constants have
+no rows left to be fitted on. It needs rows of two shapes or more.
+
+A file whose fields the bench does not write (a ``settings`` without ``shape``, a ``raw`` that is
+not an object of runs, a peak that is not a number of MB, a batch of 0) is refused in one line
+naming the file and the field; ``--fit`` skips a system with fewer rows to fit on than constants,
+saying so in one line on stderr (its ``SYSTEMS`` values kept), and is refused where no system can
+be fitted.
+
 The ZeRO runs (``docs/bench/lm_zero_*.json``, rows ``-z2``/``-z3``) are checked the same way;
 their ZeRO rows are never fitted.
 
@@ -29,8 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models import gpt2
-from ..train.heap import HEAD_PIECE_RULE, run_trims
+from ..models import gpt2, llama
+from ..train.heap import HEAD_PIECE_RULE, HEAD_PIECE_RULES, TRIM_MODES, run_trims
+from .cli import SYSTEM_ZERO_ENGINES
 from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap", "act_scale"),
@@ -224,9 +236,58 @@ def shape_label(s: dict) -> str:
     return f"{s['shape']}{over} {s['batch']}x{s['block']}"
 
 
+ALLOCATORS = ("glibc", "tcmalloc")  # a run's recorded malloc (lora_core.train.allocator.active)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_settings(path: Path, s) -> None:
+    """Refuse, naming ``path`` and the key, a ``settings`` the bench does not write."""
+    if not isinstance(s, dict):
+        raise ValueError(f"{path}: settings: expected an object, got {type(s).__name__}")
+    if "shape" not in s:
+        raise ValueError(f"{path}: settings: no 'shape' (the bench's model preset)")
+    shape = s["shape"]
+    if not isinstance(shape, str) or not (shape in llama.PRESETS or shape in gpt2.PRESETS):
+        raise ValueError(f"{path}: settings.shape: {shape!r} is not a model preset "
+                         f"({', '.join(sorted(llama.PRESETS) + sorted(gpt2.PRESETS))})")  # fmt: skip
+    for key in ("batch", "block"):
+        if key not in s:
+            raise ValueError(f"{path}: settings: no {key!r}")
+        if not _positive_int(s[key]):
+            raise ValueError(f"{path}: settings.{key}: expected a positive integer, got {s[key]!r}")
+    for key in ("layers", "vocab", "ranks"):
+        if s.get(key) is not None and not _positive_int(s[key]):
+            raise ValueError(f"{path}: settings.{key}: expected a positive integer or null, got {s[key]!r}")
+    for key, allowed in (("malloc_trim", TRIM_MODES), ("head_pieces", HEAD_PIECE_RULES),
+                         ("hf_zero_engine", SYSTEM_ZERO_ENGINES["hf-peft"])):  # fmt: skip
+        if s.get(key) is not None and s[key] not in allowed:
+            raise ValueError(f"{path}: settings.{key}: {s[key]!r} is not one of {', '.join(allowed)}")
+
+
+def _peak(path: Path, key: str, i: int, run) -> float | None:
+    """A run's ``train_peak_anon_mb`` (None: not measured, a failed repeat), refused in one line
+    naming ``path``, the row and the run where it is not a positive number of MB."""
+    where = f"{path}: raw[{key!r}][{i}]"
+    if not isinstance(run, dict):
+        raise ValueError(f"{where}: expected a run (an object), got {type(run).__name__}")
+    v = run.get("train_peak_anon_mb")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}.train_peak_anon_mb: expected a positive number of MB, got {v!r}")
+    if run.get("allocator", "glibc") not in ALLOCATORS:
+        raise ValueError(f"{where}.allocator: {run['allocator']!r} is not one of {', '.join(ALLOCATORS)}")
+    return float(v)
+
+
 def bench_rows(paths) -> list[dict]:
     """Every measured training row of the bench JSONs: file, code, shape, system, method,
-    measured peak anonymous MB (rows in ``SUPERSEDED`` or without a measurement left out)."""
+    measured peak anonymous MB (rows in ``SUPERSEDED`` or without a measurement left out). A
+    field the bench does not write, or a row the planner refuses, is refused (``ValueError``) in
+    one line naming the file and the key or row."""
     out = []
     for path in map(Path, paths):
         try:
@@ -236,24 +297,37 @@ def bench_rows(paths) -> list[dict]:
             raise ValueError(f"{path}: cannot read it: {e}") from None
         except (KeyError, TypeError):
             raise ValueError(f"{path}: not a methods bench JSON (no 'settings' and 'raw')") from None
+        _check_settings(path, s)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: raw: expected an object of 'system method' -> runs, got {type(raw).__name__}")
         for key, runs in raw.items():
+            if not isinstance(runs, list):
+                raise ValueError(f"{path}: raw[{key!r}]: expected a list of runs, got {type(runs).__name__}")
+            measured = [(r, a) for i, r in enumerate(runs) if (a := _peak(path, key, i, r)) is not None]
             system, _, method = key.partition(" ")
-            anon = [r["train_peak_anon_mb"] for r in runs if r.get("train_peak_anon_mb") is not None]
-            if not anon or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
+            if not measured or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
                 continue
+            try:
+                zero = bench_method(method or "lora")[1]
+            except ValueError as e:
+                raise ValueError(f"{path}: raw[{key!r}]: {e}") from None
+            if zero and s.get("ranks") is not None and s["ranks"] < 2:
+                raise ValueError(f"{path}: settings.ranks: {s['ranks']}, but the ZeRO row {key!r} needs 2 ranks or more")
             # ours-torch's heap trim mode (lora_core.train.heap), recorded since c2cfa46 (and added to the
             # files of 4a04648-c2cfa46, when every Llama step trimmed: "on"); none before 4a04648
             trim = s.get("malloc_trim") or "off"
             # the malloc each run's worker ran under (lora_core.train.allocator), recorded since 98c5579
-            alloc = {r.get("allocator", "glibc") for r in runs if r.get("train_peak_anon_mb") is not None}  # not a failed one
+            alloc = {r.get("allocator", "glibc") for r, _ in measured}  # not a failed one
             if len(alloc) > 1:
                 raise ValueError(f"{path}: {key}: repeats under different allocators {sorted(alloc)}")
-            out.append({"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
-                        "allocator": alloc.pop(),
-                        # the frozen head's piece rule (lora_core.train.heap), recorded since 7b0a1cb
-                        "head_pieces": s.get("head_pieces", "within"),
-                        "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
-                        "system": system, "method": method or "lora", "measured": float(np.median(anon))})  # fmt: skip
+            row = {"file": path.name, "code": s.get("code"), "shape": shape_label(s), "settings": s, "heap_trim": trim,
+                   "allocator": alloc.pop(),
+                   # the frozen head's piece rule (lora_core.train.heap), recorded since 7b0a1cb
+                   "head_pieces": s.get("head_pieces") or "within",
+                   "family": "gpt2" if s["shape"] in gpt2.PRESETS else "llama",
+                   "system": system, "method": method or "lora", "measured": float(np.median([a for _, a in measured]))}  # fmt: skip
+            predict(row)  # one the planner refuses (a block past the model's positions): refused here, by name
+            out.append(row)
     return out
 
 
@@ -264,19 +338,25 @@ def trimmed(row: dict) -> bool:
 
 
 def predict(row: dict, sysm: System | None = None) -> float:
-    """The planner's peak (MB) for a bench row, with ``sysm`` in place of the row's system."""
+    """The planner's peak (MB) for a bench row, with ``sysm`` in place of the row's system; a
+    row the planner refuses (a block longer than the model's positions, ...) is refused naming
+    its file and row."""
     s = row["settings"]
-    return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
-                      s.get("vocab"), sysm, s.get("ranks") or 2,
-                      s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto"),
-                      allocator=row.get("allocator", "glibc"), head_pieces=row.get("head_pieces", HEAD_PIECE_RULE)).peak  # fmt: skip
+    try:
+        return bench_plan(s["shape"], s.get("layers"), s["batch"], s["block"], row["system"], row["method"],
+                          s.get("vocab"), sysm, s.get("ranks") or 2,
+                          s.get("hf_zero_engine") if row["system"] == "hf-peft" else None, row.get("heap_trim", "auto"),
+                          allocator=row.get("allocator", "glibc"), head_pieces=row.get("head_pieces", HEAD_PIECE_RULE)).peak  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"{row.get('file', '?')}: {row['system']} {row['method']}: {e}") from None
 
 
-def check(rows: list[dict]) -> list[dict]:
-    """Each row with ``predicted`` (MB) and ``error_pct`` against its measurement."""
+def check(rows: list[dict], systems: dict[str, System] | None = None) -> list[dict]:
+    """Each row with ``predicted`` (MB) and ``error_pct`` against its measurement; ``systems``:
+    the systems to plan with (e.g. :func:`fitted`'s), None: ``SYSTEMS``."""
     out = []
     for r in rows:
-        pred = predict(r)
+        pred = predict(r, None if systems is None else systems[r["system"]])
         out.append(dict(r, predicted=pred, error_pct=100 * (pred - r["measured"]) / r["measured"]))
     return out
 
@@ -291,29 +371,50 @@ def _with(base: System, variant: str | None, values: dict) -> System:
     return dataclasses.replace(base, **values)
 
 
-def fit_rows(rows: list[dict], system: str, variant: str | None = None) -> list[dict]:
+class NotFitted(ValueError):
+    """A system's constants with fewer rows to be fitted on than constants (``fit``)."""
+
+
+def fit_rows(rows: list[dict], system: str, variant: str | None = None, shapes=None) -> list[dict]:
     """The rows a system's constants are fitted on: its ``FIT_FAMILY`` rows in one process; the
     trimmed ones (its own constants) or those run under tcmalloc (``variant`` ``tcmalloc``); for
-    a family's counts (``variant`` a kind), that family's rows of ``FAMILY_FIT_SHAPES`` in one process."""
+    a family's counts (``variant`` a kind), that family's rows in one process of ``shapes``
+    (shape labels; None: ``FAMILY_FIT_SHAPES``)."""
     base = SYSTEMS[system]
     one = [r for r in rows if r["system"] == system and not bench_method(r["method"])[1]]
     if variant not in (None, "tcmalloc"):
-        return [r for r in one if r["family"] == variant and r["shape"] in FAMILY_FIT_SHAPES[(system, variant)]]
+        shapes = FAMILY_FIT_SHAPES[(system, variant)] if shapes is None else shapes
+        return [r for r in one if r["family"] == variant and r["shape"] in shapes]
     rs = [r for r in one if r["family"] == FIT_FAMILY]
     if variant == "tcmalloc":
         return [r for r in rs if r.get("allocator") == "tcmalloc"]
     return [r for r in rs if r.get("allocator", "glibc") != "tcmalloc" and (not base.untrimmed or trimmed(r))]
 
 
-def fit(rows: list[dict], system: str, variant: str | None = None, base: System | None = None) -> dict[str, float]:
+def _fit_rows_are(system: str, variant: str | None, shapes=None) -> str:
+    """What :func:`fit_rows` takes, in words (for :class:`NotFitted`)."""
+    if variant not in (None, "tcmalloc"):
+        on = ", ".join(FAMILY_FIT_SHAPES[(system, variant)] if shapes is None else sorted(shapes))
+        return f"its one-process {variant} rows of {on}"
+    alloc = "tcmalloc" if variant == "tcmalloc" else "glibc" + (" that trim the heap" if SYSTEMS[system].untrimmed else "")
+    return f"its one-process {FIT_FAMILY}-family rows under {alloc}"
+
+
+def fit(rows: list[dict], system: str, variant: str | None = None, base: System | None = None,
+        shapes=None) -> dict[str, float]:  # fmt: skip
     """Values of ``FITTED[system]`` over :func:`fit_rows` that minimise the largest relative
     error (each row's equation divided by its measurement; Lawson's iteratively reweighted least
     squares, starting from the plain least squares); ``variant`` ``tcmalloc``: the constants of
     the system's runs under tcmalloc (``System.tcmalloc``); a model kind of ``FAMILY_FITTED``: that
-    family's counts (``System.family``), on ``base``'s other constants (default ``SYSTEMS[system]``)."""
+    family's counts (``System.family``) on the family's rows of ``shapes`` (None:
+    ``FAMILY_FIT_SHAPES``), on ``base``'s other constants (default ``SYSTEMS[system]``).
+    Fewer rows than constants: :class:`NotFitted`, naming the system and the rows it needs."""
     names, base = FAMILY_FITTED.get((system, variant), FITTED[system]), base or SYSTEMS[system]
     zero = _with(base, variant, {n: 0.0 for n in names})
-    rs = fit_rows(rows, system, variant)
+    rs = fit_rows(rows, system, variant, shapes)
+    if len(rs) < len(names):
+        raise NotFitted(f"{system}{'' if variant is None else ' ' + variant}: {len(rs)} row(s) to fit its "
+                        f"{len(names)} constants ({', '.join(names)}) on ({_fit_rows_are(system, variant, shapes)})")  # fmt: skip
     x0 = np.array([predict(r, zero) for r in rs])
     X = np.stack([np.array([predict(r, _with(zero, variant, {n: 1.0})) for r in rs]) - x0 for n in names], 1)
     y = np.array([r["measured"] for r in rs])
@@ -326,31 +427,66 @@ def fit(rows: list[dict], system: str, variant: str | None = None, base: System 
     return dict(zip(names, coef.tolist()))
 
 
-def fitted(rows: list[dict]) -> dict[str, System]:
+def _fits() -> list[tuple[str, str | None]]:
+    """Every fit :func:`fitted` makes, as ``(system, variant)``: a system's own constants (None),
+    those under tcmalloc, a family's counts."""
+    return [(s, v) for s in FITTED for v in (None, "tcmalloc") if v is None or SYSTEMS[s].tcmalloc] + list(FAMILY_FITTED)
+
+
+def fitted(rows: list[dict], family_shapes=None, skipped: dict | None = None) -> dict[str, System]:
     """``SYSTEMS`` with the constants of ``FITTED`` fitted on ``rows`` (and, where a system has
-    constants for tcmalloc and rows run under it, those too)."""
+    constants for tcmalloc, those of its rows run under it; a family's counts on its rows of
+    ``family_shapes``, None: ``FAMILY_FIT_SHAPES``). A fit without enough rows (:class:`NotFitted`)
+    keeps ``SYSTEMS``' values; ``skipped``, where given, gets its ``(system, variant)`` -> why."""
     out = dict(SYSTEMS)
+    skipped = {} if skipped is None else skipped
     for s in FITTED:
-        sysm = dataclasses.replace(SYSTEMS[s], **fit(rows, s))
-        if SYSTEMS[s].tcmalloc and fit_rows(rows, s, "tcmalloc"):
-            sysm = _with(sysm, "tcmalloc", fit(rows, s, "tcmalloc"))
-        out[s] = sysm
+        try:
+            out[s] = dataclasses.replace(SYSTEMS[s], **fit(rows, s))
+        except NotFitted as e:
+            skipped[(s, None)] = str(e)
+        if SYSTEMS[s].tcmalloc:
+            try:
+                out[s] = _with(out[s], "tcmalloc", fit(rows, s, "tcmalloc"))
+            except NotFitted as e:
+                skipped[(s, "tcmalloc")] = str(e)
     for s, kind in FAMILY_FITTED:  # on the system's fitted constants: the family's rows depend on them
-        if fit_rows(rows, s, kind):
-            out[s] = _with(out[s], kind, fit(rows, s, kind, out[s]))
+        try:
+            out[s] = _with(out[s], kind, fit(rows, s, kind, out[s], family_shapes))
+        except NotFitted as e:
+            skipped[(s, kind)] = str(e)
     return out
 
 
+def _fits_of(row: dict) -> list[tuple[str, str | None]]:
+    """The fits (``(system, variant)``, as :func:`fitted` names them) a row's prediction takes."""
+    s = row["system"]
+    if (s, row["family"]) in FAMILY_FITTED:
+        return [(s, None), (s, row["family"])]
+    return [(s, "tcmalloc" if SYSTEMS[s].tcmalloc and row.get("allocator") == "tcmalloc" else None)]
+
+
 def leave_one_shape_out(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per shape, the constants fitted on every other shape's rows: the held-out rows' largest
-    |error| (%) per system."""
+    """Per shape, the constants fitted on every other shape's rows (a family's counts,
+    ``FAMILY_FITTED``, on that family's other shapes): the held-out rows' largest |error| (%) per
+    system; NaN for a system whose rows there take a constant that no other shape's rows could be
+    fitted on. Rows of fewer than two shapes: ``ValueError``."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    if len(shapes) < 2:
+        raise ValueError("leaving one shape out (--loso) needs rows of two shapes or more, "
+                         + (f"these are all {shapes[0]!r}" if shapes else "there are none"))  # fmt: skip
     out: dict[str, dict[str, float]] = {}
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        systems = fitted([r for r in rows if r["shape"] != shape])
+    for shape in shapes:
+        rest, skipped = [r for r in rows if r["shape"] != shape], {}
+        systems = fitted(rest, family_shapes={r["shape"] for r in rest}, skipped=skipped)
         for r in rows:
             if r["shape"] == shape:
+                errs = out.setdefault(shape, {})
+                if any(f in skipped for f in _fits_of(r)) or np.isnan(errs.get(r["system"], 0.0)):
+                    errs[r["system"]] = float("nan")
+                    continue
                 err = abs(predict(r, systems[r["system"]]) - r["measured"]) / r["measured"] * 100
-                out.setdefault(shape, {})[r["system"]] = max(out.get(shape, {}).get(r["system"], 0.0), err)
+                errs[r["system"]] = max(errs.get(r["system"], 0.0), err)
     return out
 
 
@@ -386,22 +522,38 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--hold-out {', '.join(map(repr, unknown))}: no row has that shape label or file name "
                 f"(shape labels: {', '.join(sorted({r['shape'] for r in rows}))})")
-    if args.loso:
-        for shape, errs in leave_one_shape_out([r for r in rows if r["shape"] not in held]).items():
-            print(f"held out {shape:28s} " + "  ".join(f"{k} {v:4.1f}%" for k, v in errs.items()))
-    if args.fit:
-        systems = fitted([r for r in rows if r["shape"] not in held and r["file"] not in held])
-        for system in FITTED:
-            print(f"{system}: " + ", ".join(f"{k} {getattr(systems[system], k):.3f}" for k in FITTED[system]))
-            if systems[system].tcmalloc:
-                print(f"{system} under tcmalloc: " + ", ".join(f"{k} {systems[system].tcmalloc.get(k, 0.0):.3f}"
-                                                               for k in FITTED[system]))  # fmt: skip
-        for (system, kind), names in FAMILY_FITTED.items():
-            fam = systems[system].family.get(kind, {})
-            on = ", ".join(FAMILY_FIT_SHAPES[(system, kind)])
-            print(f"{system} {kind} (on {on}): " + ", ".join(f"{k} {fam.get(k, 0.0):.3f}" for k in names))
-        SYSTEMS.update(systems)
-    checked = check(rows)
+    kept = [r for r in rows if r["shape"] not in held and r["file"] not in held]
+    try:
+        if args.loso:
+            loso = leave_one_shape_out(kept)
+            for shape, errs in loso.items():
+                print(f"held out {shape:28s} " + "  ".join(f"{k} {v:4.1f}%" if not np.isnan(v) else f"{k}  n/a"
+                                                           for k, v in errs.items()))  # fmt: skip
+            if any(np.isnan(v) for errs in loso.values() for v in errs.values()):
+                print("(n/a: no other shape's rows to fit that system's constants on)")
+        if args.fit:
+            skipped: dict = {}
+            systems = fitted(kept, skipped=skipped)
+            if all(f in skipped for f in _fits()):
+                p.error("--fit: no system's constants can be fitted on these rows: the fit takes one-process "
+                        f"{FIT_FAMILY}-family rows (no -z2/-z3), at least as many as a system has constants "
+                        f"({'; '.join(f'{s}: {len(n)}' for s, n in FITTED.items())})")
+            for why in skipped.values():
+                print(f"{p.prog}: note: not fitted, SYSTEMS' values kept: {why}", file=sys.stderr)
+            for system in FITTED:
+                if (system, None) not in skipped:
+                    print(f"{system}: " + ", ".join(f"{k} {getattr(systems[system], k):.3f}" for k in FITTED[system]))
+                if systems[system].tcmalloc and (system, "tcmalloc") not in skipped:
+                    print(f"{system} under tcmalloc: " + ", ".join(f"{k} {systems[system].tcmalloc.get(k, 0.0):.3f}"
+                                                                   for k in FITTED[system]))  # fmt: skip
+            for (system, kind), names in FAMILY_FITTED.items():
+                if (system, kind) not in skipped:
+                    fam = systems[system].family.get(kind, {})
+                    on = ", ".join(sorted({r["shape"] for r in fit_rows(kept, system, kind)}))
+                    print(f"{system} {kind} (on {on}): " + ", ".join(f"{k} {fam.get(k, 0.0):.3f}" for k in names))
+        checked = check(rows, systems if args.fit else None)
+    except ValueError as e:
+        p.error(str(e))
     for r in checked:
         r["shape"] += " held out" if (r["shape"] in held or r["file"] in held) else ""
     print("\n".join(table(checked)))
