@@ -466,3 +466,18 @@ def test_generated_ids_without_text_are_named(prepared, capsys):
     assert continuations(tok, [ctx, ctx], [word, [tok.vocab_size + 3] + word]) == [" is", " is"]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"prompt 2: generated token id(s) [{tok.vocab_size + 3}] beyond" in err, err
+
+
+def test_a_zero_stage_the_backend_cannot_run_is_refused_before_the_model_loads(prepared, tmp_path, capsys):
+    """jittor has no ZeRO-3: refused by name before the base is built or written (it was refused
+    only once the trainer started: after loading, and writing OUT/base of a --save-base run)."""
+    from examples.lm import train as lm_train
+
+    _, out = prepared
+    argv = ["--backend", "jittor", "--recipe", "lm-demo", "--prepared", str(out), "--random-init", "tiny-llama",
+            "--vocab-size", str(_vocab(out)), "--save-base", "--zero", "3", "--no-progress",
+            "--out-dir", str(tmp_path / "z3")]  # fmt: skip
+    assert lm_train.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--zero 3 (sharded parameters) is not available in the jittor backend" in err, err
+    assert not (tmp_path / "z3" / "base").exists()

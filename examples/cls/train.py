@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if recipe.train.method == "full":
             check_full_ft_input("--base", args.base, args.overrides)
         backend = lora_core.get_backend(args.backend)
+        backend.check_zero(recipe.train.zero)  # a stage the backend cannot run: refused before the model loads
         comm = job.start(backend, args.dist_timeout)
         summary = run(
             backend.NAME,

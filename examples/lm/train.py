@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             check_full_ft_input("--init-checkpoint", args.init_checkpoint, args.overrides)
         train_blocks, valid_blocks, meta = read_prepared(args.prepared)
         backend = lora_core.get_backend(args.backend)
+        backend.check_zero(cfg.zero)  # a stage the backend cannot run: refused before the model loads
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, comm, meta.get("eos_id"))
         fix = f" (a --random-init model: give --vocab-size {meta['vocab_size']})" if args.random_init and not args.vocab_size else ""

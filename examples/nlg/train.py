@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         valid_data = read_encoded(check_data_file(args.valid, "--valid")) if args.valid else None
         args.recipe_model = recipe.model
         backend = lora_core.get_backend(args.backend)
+        backend.check_zero(cfg.zero)  # a stage the backend cannot run: refused before the model loads
         comm = job.start(backend, args.dist_timeout)
         model, note = build(backend, args, cfg.lora_config() if cfg.method == "lora" else None, comm)
         backend.to_device(model, args.device)  # device, grad_checkpoint, compile do not change results: not in cfg
