@@ -98,7 +98,8 @@ def data_parallel(model, loss: str = "lm", zero: int = 0):
     frozen += [f"model.{n}" for n, _ in model.named_buffers()]
     module = _Loss(model, loss)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
-    return DistributedDataParallel(module, device_ids=None)
+    # the gradients are views of DDP's flat buckets, not a second copy beside them (lora_core.plan: System.dp_grad_copies)
+    return DistributedDataParallel(module, device_ids=None, gradient_as_bucket_view=True)
 
 
 def _fsdp(model, loss: str, zero: int):

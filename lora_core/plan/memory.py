@@ -139,6 +139,13 @@ class System:
     # zero-padded numpy buffer, its jittor copy, the all-reduce's output)
     mpi_load_delta_mb: float = 0.0
     zero_step_copies: int = 0
+    # data parallelism without ZeRO over more than one rank (torch's DistributedDataParallel): the
+    # gradient-sized copies DDP's flat buckets add beside the parameters' gradients (1: its default,
+    # gradient_as_bucket_view=False, as transformers' Trainer and accelerate leave it; 0: the
+    # gradients are views of the buckets, ours-torch since it sets it), and the all-reduce's work
+    # buffers of up to ``DDP_INFLIGHT_MB`` (two of its 25 MB buckets); the MPI engine (Jittor) is
+    # not modelled there (none counted)
+    dp_grad_copies: float = 1.0
     # FSDP2's root unit (embeddings, final norm, head) at ZeRO-3: 1 where it stays gathered from its
     # forward to its backward (ours-torch since 7f22b85: its reshard_after_forward left unset), 2 where
     # it is resharded after the forward and gathered again for the backward (transformers + peft as
@@ -194,6 +201,13 @@ class System:
 
 # Measured and fitted on the CPU methods bench (docs/planning.md, docs/bench/lm_methods_*.json;
 # the fit of validate.FITTED: ``python -m lora_core.plan.validate --fit docs/bench/lm_methods_*.json``).
+# data parallelism without ZeRO (ours-torch, 3 steps of full FT, llama-bench with a 257-token
+# vocabulary, 2 x 127 tokens per rank, 346 MB of gradients): 2 ranks held 41 and 87 MB more than
+# one process with the gradients as DDP's bucket views, 330 and 345 MB more without (the same
+# losses); LoRA (1 MB of gradients) 2 MB more: DDP's in-flight all-reduce buffers, counted as two
+# of its 25 MB buckets (System.dp_grad_copies)
+DDP_INFLIGHT_MB = 50.0
+
 SYSTEMS: dict[str, System] = {
     # Llama with the heap trimmed at each layer (4a04648; by default since c2cfa46 only with GC or
     # a 4-bit base): no growth by layer, nothing of full FT's activations kept, heap and act_scale
@@ -212,7 +226,7 @@ SYSTEMS: dict[str, System] = {
                                    "full_heap": 0.0},
                          # fitted on float32 rows alone: no bf16 copy of a frozen weight in the fit to take off
                          autocast=True, gc_frozen_mlp=True, head_pieces=True, frozen_casts_kept=False,
-                         casts_in_fit=False, fsdp2_root_copies=1, note="PyTorch CPU, backends.torch"),
+                         casts_in_fit=False, fsdp2_root_copies=1, dp_grad_copies=0.0, note="PyTorch CPU, backends.torch"),
     "ours-jittor": System("ours-jittor", base_mb=20.0, load_mb=165.0, act_scale=1.432, heap=0.361, full_heap=1.0,
                           emb_copies=3.0, deq_kept=1.0, deq_kept_gc=0.788, silu_saved=4, norm_saved=3, attn_probs=2,
                           head_nv=1, lora_outs=2, zero_engine="mpi",
@@ -248,7 +262,8 @@ SYSTEMS: dict[str, System] = {
                               act_scale=1.1, head_nv=2, head_nv_frozen=1, emb_copies=1.0, full_heap=0.5, gc_frozen_mlp=True,
                               head_pieces=True, device="cuda", frozen_casts_kept=False, casts_in_fit=False,
                               frozen_head_exact=True,
-                              fsdp2_root_copies=1, note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on two H200 runs, two shapes"),
+                              fsdp2_root_copies=1, dp_grad_copies=0.0,
+                              note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on two H200 runs, two shapes"),
     "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True, device="cuda",
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
                            note="transformers + peft (+ bitsandbytes) on CUDA, bf16 autocast; fitted on one H200 run, one shape"),
@@ -510,6 +525,8 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         weights = whole + own / c.ranks + ((root * wb + layers) * (1 - 1 / c.ranks) if ds
                                            else sysm.fsdp2_root_copies * root * wb + held * layers)
     grads = trainable * grad_b / shard_grads
+    if c.zero == 0 and c.ranks > 1 and sysm.zero_engine != "mpi":  # DDP: its buckets and all-reduce buffers
+        grads += sysm.dp_grad_copies * trainable * grad_b + min(trainable * grad_b, DDP_INFLIGHT_MB * MB)
     if c.method == "full" and c.zero and sysm.zero_engine == "fsdp2":
         # a unit's whole gradients and its reduce-scatter input, the root's (embeddings, head) last
         grads += 2 * a.other_params * grad_b
@@ -657,6 +674,9 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
+             *([f"    (data parallel over {c.ranks} ranks without ZeRO: DDP's gradient buckets "
+                f"{'as views of the gradients' if sysm.dp_grad_copies == 0 else 'beside the gradients'} and "
+                f"its all-reduce buffers)"] if c.zero == 0 and c.ranks > 1 and sysm.zero_engine != "mpi" else []),
              f"  {'optimizer state':22s} {p.optimizer:10.1f} MB",
              f"  {'activations':22s} {p.activations:10.1f} MB",
              f"  {'retained (freed, kept)' if c.method != 'full' else 'retained + activations':22s} {p.retained:10.1f} MB",
