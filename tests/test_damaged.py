@@ -292,10 +292,10 @@ def test_damaged_bin_quantized_while_loading_gives_the_same_error(backend, legac
     """The 4-bit loader reads a .bin tensor by tensor (``load_torch_file(lazy=True)``: memory
     maps, CRC-32 checked on the first read); a damaged file raises the error the whole-file
     reader raises. (A legacy file has no checksum: a changed byte is not detected by either.)"""
-    from lora_core.quant.checkpoint4bit import gpt2_hf_config
+    from lora_core.train.full_ft import hf_config
 
     path, _ = _base_bin(legacy)(tmp_path / "base")
-    (path.parent / "config.json").write_text(json.dumps(gpt2_hf_config(CFG)))
+    (path.parent / "config.json").write_text(json.dumps(hf_config(CFG)))
     backend.from_pretrained(path.parent, quantize="nf4")  # intact: loads
     {"cut": cut, "garbage": garbage, "flipped": _flip_a_storage_byte}[damage](path)
     with pytest.raises(CheckpointError) as whole:

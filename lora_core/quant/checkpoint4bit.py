@@ -158,29 +158,19 @@ def check_4bit_shapes(wpath, states: dict, tensors: dict, shapes: dict) -> None:
     check_tensors(wpath, tensors, {k: v for k, v in shapes.items() if k not in states})
 
 
-def gpt2_hf_config(cfg: _gpt2.GPT2Config) -> dict:
-    """A transformers ``config.json`` for GPT-2 ``cfg`` (tied head, gelu_new)."""
-    eos = min(50256, cfg.vocab_size - 1)
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.n_positions, "n_ctx": cfg.n_positions, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_epsilon,
-            "embd_pdrop": cfg.embd_pdrop, "attn_pdrop": cfg.attn_pdrop, "resid_pdrop": cfg.resid_pdrop,
-            "initializer_range": cfg.initializer_range, "tie_word_embeddings": True, "bos_token_id": eos,
-            "eos_token_id": eos}
-
-
 def save_4bit_checkpoint(folder: str | os.PathLike, cfg, tensors: dict[str, np.ndarray],
                          states: dict[str, NF4State], compute_dtype: str = "float32") -> None:
     """Write a 4-bit model (its canonical full-precision ``tensors`` and NF4 ``states``) as a
     bitsandbytes checkpoint that transformers loads (``formats.bnb4bit.write_bnb4bit_checkpoint``)."""
+    from ..train.full_ft import hf_config  # transformers' config.json of each family
+
     if isinstance(cfg, _gpt2.GPT2Config):
         hf = {_GPT2_PREFIX + n: (v.T if n.endswith(_gpt2.TRANSPOSED) else v) for n, v in tensors.items()}
-        write_bnb4bit_checkpoint(folder, gpt2_hf_config(cfg), hf,
+        write_bnb4bit_checkpoint(folder, hf_config(cfg), hf,
                                  {_GPT2_PREFIX + n: s for n, s in states.items()}, compute_dtype)
     elif isinstance(cfg, _llama.LlamaConfig):
         write_bnb4bit_checkpoint(folder, cfg.to_hf_dict(), tensors, states, compute_dtype)
     else:  # DistilBERT: the head stays float32 (transformers told so by llm_int8_skip_modules)
-        from ..train.full_ft import hf_config
         from .distilbert4bit import skip_modules
 
         write_bnb4bit_checkpoint(folder, hf_config(cfg), tensors, states, compute_dtype, skip_modules(cfg, states))
@@ -263,5 +253,5 @@ def check_4bit_request(path, lora, quantize, double_quant: bool = True, blocksiz
     return quantize is not None or not double_quant or blocksize != 64
 
 
-__all__ = ["assemble_4bit_model", "build_4bit_model", "check_4bit_request", "check_4bit_shapes", "gpt2_hf_config", "load_4bit_checkpoint", "save_4bit_checkpoint",
+__all__ = ["assemble_4bit_model", "build_4bit_model", "check_4bit_request", "check_4bit_shapes", "load_4bit_checkpoint", "save_4bit_checkpoint",
            "prequantized_config", "save_4bit_model", "wants_4bit"]
