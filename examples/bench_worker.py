@@ -139,3 +139,39 @@ def environment_line(env: dict) -> str:
     return (f"CPU {env['cpu']} ({env['cpus']} CPUs), load average at start {env['loadavg_start'][0]:.2f}; "
             + ", ".join(f"{k} {v[k] or '-'}" for k in PACKAGES))
 
+
+
+# --------------------------------------------------------------------------- options and outputs
+
+
+def check_compile_backend(name: str | None) -> str | None:
+    """Why ``--compile NAME`` cannot run (not one of ``torch._dynamo``'s backends), or None."""
+    if name in (None, "off"):
+        return None
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    return None if name in known else f"--compile: unknown dynamo backend {name!r}; choose from {', '.join(known)}"
+
+
+def check_outputs(**paths: Path | None) -> str | None:
+    """Why an output file (``--json``, ``--plot``: keyword = option without the dashes) cannot be
+    written where asked (a folder, or a parent folder that does not exist), checked before the runs
+    (a bench of hours loses nothing at its end), or None."""
+    for opt, path in paths.items():
+        if path is None:
+            continue
+        flag = "--" + opt.replace("_", "-")
+        if path.is_dir():
+            return f"{flag} {path}: is a folder (give a file name)"
+        if not path.parent.is_dir():
+            return f"{flag} {path}: the folder {path.parent} does not exist"
+    return None
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write a bench output atomically (a temp file beside it, then renamed): an interrupted
+    write leaves the previous file whole."""
+    from lora_core.data.nlg import write_text_atomic
+
+    write_text_atomic(path, text)

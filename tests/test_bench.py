@@ -209,3 +209,49 @@ def test_cls_bench_systems_train_the_same_without_dropout(shared_dir, tmp_path, 
         assert rel.max() < 1e-4, (system, rel)
         MEASURED[f"cls bench, no dropout: {system} vs ours-torch loss (4 updates)"] = float(rel.max())
     assert len({raw[s][0]["dev_accuracy"] for s in cls_bench.SYSTEMS}) == 1, raw
+
+
+def test_cls_bench_keeps_a_systems_good_runs_and_says_n_a():
+    """One failed run of three leaves the system's other two in the medians (it dropped the
+    system); a target whose system has no good run says n/a, not nothing."""
+    from examples.cls import bench as cls_bench
+
+    def run(ex_s):
+        return {"train_ex_s": ex_s, "eval_ex_s": 50.0, "rss_mb": 300.0, "dev_accuracy": 0.5}
+
+    table = cls_bench.summarise({"ours-torch": [run(14.0), run(14.2), {"error": "worker killed by SIGKILL"}],
+                                 "hf-peft": [run(10.0)] * 3, "ours-jittor": [{"error": "boom"}]})
+    assert "| ours-torch | 14.10 |" in table, table
+    assert "| train ex/s   ours-torch / hf-peft | >= 1.3 | 1.41 |" in table, table
+    assert "| train ex/s   ours-jittor / ours-torch | >= 0.9 | n/a | n/a (no run of ours-jittor without an error) |" in table
+    assert "- ours-torch run 3: worker killed by SIGKILL" in table
+
+
+def test_bench_options_refused_before_any_run(tmp_path, capsys):
+    """Each bench refuses at parse time what it would only find out after its runs: an output
+    that cannot be written, an unknown dynamo backend, sizes and names that cannot run."""
+    from examples.bench_worker import check_outputs
+    from examples.cls import bench as cls_bench
+    from examples.lm import bench as lm_bench
+    from examples.lm import gpu_bench, speed_ab
+
+    assert check_outputs(json=tmp_path / "a.json", plot=None) is None
+    assert check_outputs(json=tmp_path) == f"--json {tmp_path}: is a folder (give a file name)"
+    missing = tmp_path / "no" / "x.png"
+    assert check_outputs(plot=missing) == f"--plot {missing}: the folder {tmp_path / 'no'} does not exist"
+    for main, argv, words in (
+        (lm_bench.main, ["--shape", "tiny-llama", "--plot", str(missing)], "the folder"),
+        (lm_bench.main, ["--shape", "tiny-llama", "--compile", "bogus"], "--compile: unknown dynamo backend 'bogus'"),
+        (lm_bench.main, ["--shape", "tiny-llama", "--systems", "hf-peft", "--compile", "eager"], "add ours-torch to"),
+        (gpu_bench.main, ["--decode", "-1"], "--decode must be >= 0"),
+        (gpu_bench.main, ["--methods", "lora,lora"], "--methods: ['lora'] named twice"),
+        (gpu_bench.main, ["--systems", "ours-torch", "--decode", "4"], "give both in --systems"),
+        (cls_bench.main, ["--systems", ","], "--systems: unknown []"),
+        (cls_bench.main, ["--repeats", "0"], "--steps, --repeats and --threads must be >= 1"),
+        (bench.main, ["--beam-batch", "0"], "--beam-batch: '0' is not a batch size"),
+        (speed_ab.main, ["--systems", "ours-torch,ours-jittor", "--precision", "bf16"], "trains in fp32 only"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err, (argv, err)

@@ -38,7 +38,8 @@ import lora_core as lc
 from lora_core.data import cls_data
 from lora_core.models.distilbert import PRESETS, DistilBertConfig, init_head, init_weights, load_distilbert_checkpoint
 
-from ..bench_worker import environment, environment_line, run_as_worker, spawn
+from ..bench_worker import check_outputs, environment, environment_line, run_as_worker, spawn, write_output
+from ..nlg.bench import _names, code_version
 from ..run_options import doc_summary
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
@@ -186,8 +187,8 @@ def run_worker(spec: dict) -> dict:
 
 def summarise(raw: dict) -> str:
     keys = ("train_ex_s", "eval_ex_s", "rss_mb", "dev_accuracy")
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in keys}
-           for s, runs in raw.items() if runs and all("error" not in r for r in runs)}  # fmt: skip
+    good = {s: [r for r in runs if "error" not in r] for s, runs in raw.items()}  # a failed run is left out, not its system
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in keys} for s, runs in good.items() if runs}
     lines = ["| system | train ex/s | eval ex/s | peak RSS MB | dev accuracy |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {s} | {m['train_ex_s']:.2f} | {m['eval_ex_s']:.1f} | {m['rss_mb']:.0f} | {m['dev_accuracy']:.4f} |"
               for s, m in med.items()]  # fmt: skip
@@ -199,6 +200,9 @@ def summarise(raw: dict) -> str:
             ok = ratio >= bound if kind == "ge" else ratio <= bound
             met = ("yes" if ok else "no") if at_shape else "info (the targets are for the distilbert shape)"
             lines.append(f"| {label} | {'>=' if kind == 'ge' else '<='} {bound} | {ratio:.2f} | {met} |")
+        elif num in raw and den in raw:  # both systems ran, one has no run without an error
+            lines.append(f"| {label} | {'>=' if kind == 'ge' else '<='} {bound} | n/a | n/a (no run of "
+                         f"{' or '.join(x for x in (num, den) if x not in med)} without an error) |")
     failed = [f"- {s} run {i + 1}: {r['error']}" for s, runs in raw.items() for i, r in enumerate(runs) if "error" in r]
     lines += ["", "errors (these runs are left out of the tables):", *failed] if failed else []
     return "\n".join(lines)
@@ -221,11 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return run_as_worker(run_worker, args.worker)
-    systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        ap.error(f"--systems: unknown {bad}; choose from {SYSTEMS}")
-    env = environment()
+    try:
+        systems = _names(args.systems, tuple(SYSTEMS), "--systems")
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if min(args.steps, args.repeats, args.threads) < 1 or args.warmup < 0:
+        ap.error(f"--steps, --repeats and --threads must be >= 1, --warmup >= 0 (got {args.steps}, {args.repeats}, "
+                 f"{args.threads}, {args.warmup})")
+    wrong = check_outputs(json=args.json)
+    if wrong:
+        ap.error(wrong)
+    env, version = environment(), code_version()
     raw = {s: [] for s in systems}
     for rep in range(args.repeats):
         for s in systems[rep % len(systems) :] + systems[: rep % len(systems)]:
@@ -237,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     table = summarise(raw)
     print(environment_line(env))
     print(table)
+    print(f"\n(code {version}; command: python -m examples.cls.bench {' '.join(sys.argv[1:] if argv is None else argv)})")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "environment": env,
+        write_output(args.json, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "code": version, "environment": env,
                                          "raw": raw}, indent=1))
     return 0 if all("error" not in r for runs in raw.values() for r in runs) else 1
 

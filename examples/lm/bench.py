@@ -41,8 +41,9 @@ worker (load, warm-up and all timed steps); ``anon MB``, the run's own memory, i
 allocated, not the pages of a memory-mapped checkpoint (transformers keeps a safetensors base
 mapped; ours-torch's Llama loader does too), which RSS counts and the page cache shares;
 ``Private_Clean + Private_Dirty`` (private file pages included) is sampled too and kept in
-the JSON as ``peak_private_mb``. The JSON also keeps both at the baseline (framework imported,
-no model: ``baseline_*``), once the model is built (``loaded_*``, with the peak of loading) and
+the JSON as ``peak_private_mb``. The JSON also keeps both at the baseline (the worker started,
+before the system's own libraries are imported: the backend, or transformers + peft, and no model:
+``baseline_*``), once the model is built (``loaded_*``, with the peak of loading) and
 the anonymous peak so far after each update (``peak_anon_after_step_mb``: when the peak is
 reached). ``--layers`` and ``--vocab`` override the preset's.
 
@@ -79,7 +80,16 @@ from lora_core.train.allocator import worker_env
 from lora_core.train.heap import HEAD_PIECE_RULE
 from lora_core.train.heap import mode as heap_mode
 
-from ..bench_worker import environment, environment_line, launcher, run_as_worker, spawn
+from ..bench_worker import (
+    check_compile_backend,
+    check_outputs,
+    environment,
+    environment_line,
+    launcher,
+    run_as_worker,
+    spawn,
+    write_output,
+)
 from ..nlg.bench import _fmt, _names, code_version, log
 from ..run_options import doc_summary
 from .bench_shapes import (
@@ -195,6 +205,8 @@ def run_train(spec: dict, mem: MemorySampler) -> dict:
     step_s = statistics.median(times[warm:])
     parts = {k: v / 2**20 for k, v in system.memory_parts().items()}
     peaks = mem.stop()
+    # the rest of the peak above the baseline: activations, and the system's libraries imported by
+    # make_system (the table's "act+etc": ~70 MB ours-torch, ~160 MB transformers + peft at tiny sizes)
     parts["activations"] = peaks["peak_private_mb"] - baseline["private_mb"] - sum(parts.values())
     return {"train_tok_s": world.size * b * spec["block"] / step_s, "step_s": times, "median_step_s": step_s,
             "warmup_steps": warm,
@@ -541,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(wrong)
     if args.ranks < 2:
         p.error(f"--ranks must be >= 2 (the processes of a ZeRO row), got {args.ranks}")
+    wrong = check_compile_backend(args.compile) or check_outputs(json=args.json, plot=args.plot)
+    if wrong:
+        p.error(wrong)
+    if args.compile and "ours-torch" not in args.systems:
+        p.error(f"--compile {args.compile} compiles ours-torch's step: add ours-torch to --systems, or drop --compile")
     cfg = _shape(vars(args))
     wrong = check_sizes(args, max(args.block, PROMPT_LEN + args.new_tokens))
     if wrong:
@@ -553,9 +570,6 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_all(args, write_inputs(cfg, Path(d)))
     table, summary = summarise(raw, args, flops, peak, env, floor)
     print(table)
-    if args.plot:
-        plot(summary["methods"], args.plot, f"{args.shape}, batch {args.batch} x {args.block}, {args.threads} thread(s), "
-             f"code {version}")
     print(
         f"\n(code {version}; total {time.perf_counter() - t0:.0f} s; command: python -m examples.lm.bench {' '.join(argv)})"
     )
@@ -567,7 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         settings["head_pieces"] = HEAD_PIECE_RULE  # the frozen head's piece rule (lora_core.train.heap.head_piece_rows)
         out = {"settings": settings, "environment": env, "flops_per_token": flops, "gemm": peak, "decode_floor": floor, "raw": raw,
                "summary": summary}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=1))
+        write_output(args.json, json.dumps(out, indent=1))  # before the plot: a failing plot loses no result
+    if args.plot:
+        plot(summary["methods"], args.plot, f"{args.shape}, batch {args.batch} x {args.block}, {args.threads} thread(s), "
+             f"code {version}")
     return 1 if any(k.endswith("_error") for runs in raw.values() for r in runs for k in r) else 0
 
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..bench_worker import check_compile_backend, check_outputs, environment, write_output
+from ..nlg.bench import _names, code_version
 from ..run_options import doc_summary
 from .bench import PROMPT_LEN, write_inputs
 from .bench_shapes import SHAPES, check_sizes, shape_config
@@ -164,15 +166,18 @@ def decode(cfg, files: dict, args) -> dict:
         out[f"{name}_s"] = time.perf_counter() - t0
         del sysm
         gc.collect()
-    out["ratio"] = out["ours-torch_s"] / out["hf-peft_s"]
+    out["time_ratio"] = out["ours-torch_s"] / out["hf-peft_s"]  # time: below 1, ours is faster
     out["same_tokens"] = tokens["ours-torch"] == tokens["hf-peft"]
     return out
 
 
 def env_info(device: str) -> dict:
+    """The code version, the packages' versions and the CPU (``bench_worker.environment``), torch's
+    CUDA build and the device (the GPU's name, memory and SMs)."""
     import torch
 
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device}
+    info = {"code": code_version(), **environment(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": device}
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_mb=_mb(p.total_memory), sm=p.multi_processor_count)
@@ -193,12 +198,13 @@ def table(rows: list[dict]) -> str:
             continue
         err = f"{100 * r['plan_error']:+.1f}%" if r.get("plan_error") is not None else "-"
         peak = f"{r['peak_alloc_mb']:.0f}" if r.get("peak_alloc_mb") else "-"
+        plan = f"{r['plan_alloc_mb']:.0f}" if r.get("peak_alloc_mb") and r.get("plan_alloc_mb") else "-"  # a GPU's counter
         lines.append(f"{r['system']:11s} {r['method']:9s} {r['train_tok_s']:9.0f} {r['median_step_s']:8.4f} "
-                     f"{peak:>9s} {r['plan_alloc_mb']:9.0f} {err:>7s} {r['loss'][0]:9.5f}")  # fmt: skip
+                     f"{peak:>9s} {plan:>9s} {err:>7s} {r['loss'][0]:9.5f}")  # fmt: skip
     by = {(r["system"], r["method"]): r for r in rows if "error" not in r}
     for m in sorted({r["method"] for r in rows}):
         o, h = by.get(("ours-torch", m)), by.get(("hf-peft", m))
-        if o and h:
+        if o and h:  # throughput: above 1, ours is faster
             mem = f", peak memory {o['peak_alloc_mb'] / h['peak_alloc_mb']:.3f}x" if o.get("peak_alloc_mb") else ""
             lines.append(f"ours-torch / hf-peft {m}: tok/s {o['train_tok_s'] / h['train_tok_s']:.3f}x{mem}, "
                          f"first loss {o['loss'][0]:.6f} vs {h['loss'][0]:.6f}")  # fmt: skip
@@ -227,10 +233,17 @@ def main(argv: list[str] | None = None) -> int:
                         "aot_eager compiles faster): two warm-up updates instead of one")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    methods, systems = args.methods.split(","), args.systems.split(",")
-    bad = [m for m in methods if m not in METHODS] + [s for s in systems if s not in SYSTEMS]
-    if bad:
-        p.error(f"unknown method or system {bad}; methods: {', '.join(METHODS)}; systems: {', '.join(SYSTEMS)}")
+    try:
+        methods, systems = _names(args.methods, METHODS, "--methods"), _names(args.systems, SYSTEMS, "--systems")
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if args.decode < 0:
+        p.error(f"--decode must be >= 0 (0: no decoding), got {args.decode}")
+    if args.decode and sorted(systems) != sorted(SYSTEMS):
+        p.error(f"--decode {args.decode} compares {' and '.join(SYSTEMS)}: give both in --systems, or --decode 0")
+    wrong = check_compile_backend(args.compile) or check_outputs(json=args.json)
+    if wrong:
+        p.error(wrong)
     wrong = check_sizes(args, max(args.block, PROMPT_LEN + args.decode if args.decode else 0), batch=args.batch,
                         block=args.block, steps=args.steps)  # fmt: skip
     if wrong:
@@ -259,18 +272,18 @@ def main(argv: list[str] | None = None) -> int:
                     add_plan(row, args)
                 result["rows"].append(row)
                 log(json.dumps({k: v for k, v in row.items() if k not in ("step_s", "loss")}))
-                if args.json:
-                    args.json.write_text(json.dumps(result, indent=1))
+                if args.json:  # each row as it comes: a crash later loses nothing before it
+                    write_output(args.json, json.dumps(result, indent=1))
     text = table(result["rows"])
     if "decode" in result:
         d = result["decode"]
         text += (f"\ngreedy {d['prompts'][0]} x {d['new_tokens']} tokens: ours-torch {d['ours-torch_s']:.3f} s, "
-                 f"hf-peft generate {d['hf-peft_s']:.3f} s, ratio {d['ratio']:.3f}, same tokens {d['same_tokens']}")
+                 f"hf-peft generate {d['hf-peft_s']:.3f} s, time ours / hf {d['time_ratio']:.3f}, same tokens {d['same_tokens']}")
     print(json.dumps(result["env"]))
     print(text)
     result["table"] = text
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_output(args.json, json.dumps(result, indent=1))
     return 1 if any("error" in r for r in result["rows"]) else 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench_worker import environment, environment_line
+from ..bench_worker import check_outputs, environment, environment_line, write_output
 from ..nlg.bench import code_version
 from .bench import write_inputs
 from .bench_shapes import SHAPES, check_sizes, describe, shape_config
@@ -86,7 +86,8 @@ def check_run_options(p: argparse.ArgumentParser, a) -> None:
         p.error(f"--method {a.method!r}: one of {', '.join(ONE_PROCESS)} (ZeRO rows need several processes: examples.lm.bench)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
-    wrong = check_sizes(a, a.block, batch=a.batch, block=a.block, threads=a.threads)
+    wrong = check_sizes(a, a.block, batch=a.batch, block=a.block, threads=a.threads) or check_outputs(
+        json=Path(a.json) if a.json else None)
     if wrong:
         p.error(wrong)
 
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         p.error(f"--systems {a.systems!r}: two or three different systems of {', '.join(SYSTEMS)}")
+    if a.precision == "bf16" and "ours-jittor" in names:
+        p.error("--precision bf16: the jittor backend trains in fp32 only (backends/jittor/precision.py); drop ours-jittor from "
+                "--systems or run fp32")  # fmt: skip
     check_run_options(p, a)
     env, cfg, tokens, rows = start_run(a)
     with tempfile.TemporaryDirectory(prefix="speed_ab_") as tmp:
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokens/s {k}: median of per-round ratios {r['median']:.3f}, {int(100 * r['level'])}% interval {lo:.3f}-{hi:.3f}")
     if a.json:
         out = {"settings": vars(a), "environment": env, "code": code_version(), "loss0": loss0, "times": times, "summary": summary}
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_output(Path(a.json), json.dumps(out, indent=1))
     return 0
 
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..bench_worker import environment_line
+from ..bench_worker import environment_line, write_output
 from ..nlg.bench import code_version
 from .bench import gemm_peak, train_flops_per_token, write_inputs
 from .bench_shapes import describe
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [s.strip() for s in a.systems.split(",") if s.strip()]
     if len(names) != 2 or len(set(names)) != 2 or any(n not in SYSTEMS for n in names):
         p.error(f"--systems {a.systems!r}: two different systems of {', '.join(SYSTEMS)}")
+    if not names[0].startswith("ours"):
+        p.error(f"--systems {a.systems!r}: ours first (the system whose step is profiled against the second)")
     check_run_options(p, a)
     if a.target <= 0 or not 0 < a.peak_fraction <= 1:
         p.error("--target must be positive and --peak-fraction in (0, 1]")
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         out = {"settings": vars(a), "environment": env, "code": code_version(), "gemm": peak, "flops_step": flops_step,
                "plain": plain, "profiled": profiled, "summary": summary, "bound": b}  # fmt: skip
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_output(Path(a.json), json.dumps(out, indent=1))
     return 0
 
 

@@ -66,7 +66,15 @@ from lora_core.device import DEVICE_CHOICES, parse_device
 from lora_core.generate.static_cache import DECODE_STEPS
 from lora_core.train.precision import PRECISIONS
 
-from ..bench_worker import environment, environment_line, run_as_worker, spawn
+from ..bench_worker import (
+    check_compile_backend,
+    check_outputs,
+    environment,
+    environment_line,
+    run_as_worker,
+    spawn,
+    write_output,
+)
 from ..run_options import doc_summary
 from .bench_systems import BATCH, SHAPES, beam_contexts, gen_length, make_system, shape_config, stop_ids, train_examples
 
@@ -304,14 +312,23 @@ def summarise(raw: dict, args) -> tuple[str, dict]:
 
 def _beam_batch(text: str, systems: list[str]) -> dict[str, int]:
     """``8`` (every system) or ``ours-torch=8,ours-jittor=4,hf-peft=8`` (others default to 8)."""
+    def size(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"--beam-batch: {value!r} is not a batch size (an int >= 1)")
+        return n
+
     if "=" not in text:
-        return {s: int(text) for s in systems}
+        return {s: size(text) for s in systems}
     out = {s: 8 for s in systems}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in ALL_SYSTEMS:
             raise argparse.ArgumentTypeError(f"--beam-batch: unknown system {name!r}; choose from {ALL_SYSTEMS}")
-        out[name] = int(value)
+        out[name] = size(value)
     return out
 
 
@@ -331,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return run_as_worker(run_worker, argv[1])
     p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=doc_summary(__doc__))
-    p.add_argument("--data-dir", type=Path, required=True, help="folder with e2e/{train,test}.txt and gpt2-vocab/")
+    p.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data",
+                   help="folder with e2e/{train,test}.txt and gpt2-vocab/ (default: ../shared/data beside the project)")
     p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (the default), gpt2-medium, gpt2-large (for a GPU)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per run")
@@ -365,12 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if min(args.steps, args.repeats, args.beam_examples, args.threads, args.batch) < 1 or args.warmup < 0:
         p.error("--steps, --repeats, --beam-examples, --threads and --batch must be >= 1, --warmup >= 0")
-    if args.compile != "off":
-        from torch._dynamo import list_backends
-
-        if args.compile not in list_backends(exclude_tags=()):
-            p.error(f"--compile: unknown dynamo backend {args.compile!r}; choose from off, "
-                    f"{', '.join(list_backends(exclude_tags=()))}")
+    wrong = check_compile_backend(args.compile) or check_outputs(json=args.json)
+    if wrong:
+        p.error(wrong.replace("choose from ", "choose from off, "))
     args.driver = gpu_driver() if args.device != "cpu" else None
     args.data_dir = args.data_dir.resolve()
     for need in ("e2e/train.txt", "e2e/test.txt", "gpt2-vocab"):
@@ -387,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
         settings["code"] = version
-        args.json.write_text(json.dumps({"settings": settings, "environment": env, "raw": raw, "summary": summary},
-                                        indent=1))
+        write_output(args.json, json.dumps({"settings": settings, "environment": env, "raw": raw, "summary": summary},
+                                           indent=1))
     errors = any(k.endswith("_error") for by in raw.values() for runs in by.values() for r in runs for k in r)
     return 1 if errors else 0
 
