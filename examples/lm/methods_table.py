@@ -21,9 +21,20 @@ allocator keeps).
 
 ZeRO rows (``-z2``, ``-z3``: ``--ranks`` processes, each on the bench's batch): tokens/s over
 all ranks' rows, its share of the peak of as many cores, memory per rank (the rank with the
-largest peak), the time of a step the slowest rank's. ``python -m examples.lm.methods_table
-A.json B.json ... --plot PNG`` merges runs of one shape into one table (a re-run's rows replace
-the earlier ones).
+largest peak), the time of a step the slowest rank's.
+
+``python -m examples.lm.methods_table A.json B.json ... --plot PNG`` merges runs of one workload
+into one table (a later file's row replaces an earlier one's of the same method and system: a
+re-run). The files' ``settings`` that define a row's workload must be equal (``WORKLOAD``: the
+shape, its ``layers`` and ``vocab`` overrides, ``batch``, ``block`` and ``threads``; a key a file
+lacks reads as None, the bench's default), else it refuses, in one line naming both files and
+the keys, and exits 2. The other settings may differ between the files, each row planned with
+its own file's: the code version, ``systems``, ``methods``, ``steps``, ``new_tokens``,
+``repeats``, ``compile``, the ZeRO rows' ``ranks`` and ``hf_zero_engine``, the heap's
+``malloc_trim``, ``allocator`` and ``head_pieces``. Each row's ``%peak`` is against its own
+file's GEMM peak (``gemm.peak_gflops``: the files may come from different machines); where the
+files of the table's rows measured different peaks, a line under the table lists them. Rows of
+``lora_core.plan.validate.SUPERSEDED`` are left out, each named with its reason on stderr.
 
 The planner column: ``predicted MB`` is ``lora_core.plan.bench_plan`` for the row's method,
 system and shape (the memory planner, docs/planning.md), ``error %`` its difference from the
@@ -32,11 +43,17 @@ measured peak anonymous memory (the run's own: not the pages of the memory-mappe
 
 from __future__ import annotations
 
+import os
+import secrets
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from lora_core.plan.memory import bench_method
 
 PARTS = ("weights", "gradients", "optimizer", "activations")
+# the bench settings that define a row's workload: files that differ in one are not merged
+WORKLOAD = ("shape", "layers", "vocab", "batch", "block", "threads")
 
 
 def method_flops(flops: dict, method: str) -> float:
@@ -143,8 +160,26 @@ def plot(rows_: list[dict], path: Path, title: str) -> None:
     b.set_xticks(list(x), [lb.replace("\n", " ") for lb in labels] if wide else labels, fontsize=7,
                  rotation=90 if wide else 0)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        write_atomically(Path(path), lambda f: fig.savefig(f, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(f)`` into a file beside ``path``, renamed over it: a failed write never leaves half a
+    file there. It gets the mode a new file gets (0666 less the umask), or the replaced file's."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)  # 4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 absmax
@@ -172,46 +207,119 @@ def qlora_weight_lines(rows_: list[dict], cfg, r: int, targets: tuple[str, ...],
     return out
 
 
-def merged(paths: list[Path]) -> tuple[dict, list[dict]]:
-    """The methods rows of several bench JSONs of one shape (``--json``) as one table: a later
-    file's row replaces an earlier one's of the same method and system (a re-run), rows of
-    ``lora_core.plan.validate.SUPERSEDED`` and rows without a measurement are left out. The first
-    file's settings and GEMM peak (whose FLOP shares the table gives) and the rows."""
+class MergeError(ValueError):
+    """A bench JSON :func:`merged` cannot take: unreadable, not a methods bench, or of another workload."""
+
+
+class Merged(NamedTuple):
+    first: dict  # the first file's JSON (its settings title the plot)
+    rows: list[dict]  # the table's rows, in method order
+    peaks: dict[str, float]  # GEMM peak (GFLOP/s) of each file with a row in the table, by file name
+    dropped: list[tuple[str, str, str]]  # (file name, "system method", why) of each row left out as superseded
+
+
+def load(path: Path) -> dict:
+    """A bench ``--json`` file with what :func:`merged` reads, else :class:`MergeError` naming it."""
     import json
 
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise MergeError(f"{path}: cannot read a bench JSON: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        ok = (isinstance(d["settings"], dict) and isinstance(d["summary"]["medians"], dict)
+              and float(d["gemm"]["peak_gflops"]) > 0 and isinstance(d["flops_per_token"], dict))  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise MergeError(f"{path}: not an examples.lm.bench --json file (settings, summary.medians, gemm.peak_gflops, "
+                         "flops_per_token)")  # fmt: skip
+    return d
+
+
+def workload_difference(a: dict, b: dict) -> list[str]:
+    """The :data:`WORKLOAD` settings in which ``b`` differs from ``a``, as ``key (b's vs a's)``."""
+    return [f"{k} ({b.get(k)!r} vs {a.get(k)!r})" for k in WORKLOAD if a.get(k) != b.get(k)]
+
+
+def merged(paths: list[Path]) -> Merged:
+    """The methods rows of several bench JSONs of one workload (``--json``) as one table: a later
+    file's row replaces an earlier one's of the same method and system (a re-run), rows of
+    ``lora_core.plan.validate.SUPERSEDED`` and rows without a measurement are left out. Each row's
+    FLOP share is of its own file's GEMM peak. :class:`MergeError` for a file that cannot be
+    read or whose :data:`WORKLOAD` settings differ from the first file's."""
     from lora_core.plan.validate import SUPERSEDED
 
-    first, by_key = None, {}
+    first = first_path = None
+    by_key, dropped = {}, []
     for path in paths:
-        d = json.loads(Path(path).read_text())
-        first = first or d
-        for r in rows(d["summary"]["medians"], d["flops_per_token"], first["gemm"]["peak_gflops"], d["settings"]):
+        d = load(path)
+        if first is None:
+            first, first_path = d, path
+        elif diff := workload_difference(first["settings"], d["settings"]):
+            raise MergeError(f"{path}: settings differ from {first_path}'s in {', '.join(diff)}: rows of different "
+                             "workloads, not merged")  # fmt: skip
+        name = Path(path).name
+        try:
+            got = rows(d["summary"]["medians"], d["flops_per_token"], float(d["gemm"]["peak_gflops"]), d["settings"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise MergeError(f"{path}: a row of summary.medians or the settings lacks {e}") from None
+        for r in got:
             key = f"{r['system']} {r['method']}"
-            if r["tok_s"] is not None and (Path(path).name, key if r["method"] != "lora" else r["system"]) not in SUPERSEDED:
-                by_key[key] = r
+            why = SUPERSEDED.get((name, key if r["method"] != "lora" else r["system"]))
+            if why is not None:
+                dropped.append((name, key, why))
+            elif r["tok_s"] is not None:
+                by_key[key] = dict(r, file=name, peak_gflops=float(d["gemm"]["peak_gflops"]))
     full = {r["system"]: r["private_mb"] for r in by_key.values() if r["method"] == "full"}
     out = [dict(r, vs_full=(r["private_mb"] / full[r["system"]] if full.get(r["system"]) else None)) for r in by_key.values()]
     from .bench_systems import METHODS
 
-    return first, sorted(out, key=lambda r: (METHODS.index(r["method"]), r["system"]))
+    peaks = {}
+    for r in out:
+        peaks.setdefault(r["file"], r["peak_gflops"])
+    return Merged(first, sorted(out, key=lambda r: (METHODS.index(r["method"]), r["system"])),
+                  {n: peaks[n] for n in (Path(p).name for p in paths) if n in peaks}, dropped)  # fmt: skip
+
+
+def peak_lines(peaks: dict[str, float]) -> list[str]:
+    """The table's footer: where its rows' files measured different GEMM peaks, each file's."""
+    if len(set(peaks.values())) < 2:
+        return []
+    each = ", ".join(f"{name} {g:.1f}" for name, g in peaks.items())
+    return [f"%peak: each row of its own file's fp32 GEMM peak, which differ: {each} GFLOP/s"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m examples.lm.methods_table A.json B.json ... [--plot PNG]``: :func:`merged`'s table."""
+    """``python -m examples.lm.methods_table A.json B.json ... [--plot PNG]``: :func:`merged`'s table
+    (one line on stderr and exit status 2 for files it cannot merge, 1 for a PNG it cannot write)."""
     import argparse
 
     from ..nlg.bench import _fmt
 
     p = argparse.ArgumentParser(prog="python -m examples.lm.methods_table", description=main.__doc__)
-    p.add_argument("paths", nargs="+", type=Path, help="examples.lm.bench --json files, later ones re-runs")
+    p.add_argument("paths", nargs="+", type=Path, help="examples.lm.bench --json files of one workload, re-runs last")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the merged table here")
     args = p.parse_args(argv)
-    first, out = merged(args.paths)
-    print("\n".join(table_lines(out, _fmt)))
+    if args.plot is not None and not args.plot.parent.is_dir():
+        print(f"{p.prog}: error: {args.plot}: its folder does not exist", file=sys.stderr)
+        return 2
+    try:
+        m = merged(args.paths)
+    except MergeError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    for name, key, why in m.dropped:
+        print(f"{p.prog}: note: {name} {key} left out, superseded: {why}", file=sys.stderr)
+    print("\n".join(table_lines(m.rows, _fmt) + peak_lines(m.peaks)))
     if args.plot:
-        s = first["settings"]
-        plot(out, args.plot, f"{s['shape']}, batch {s['batch']} x {s['block']} per process, {s['threads']} thread(s); "
-             f"{', '.join(p.stem for p in args.paths)}")
+        s = m.first["settings"]
+        try:
+            plot(m.rows, args.plot, f"{s['shape']}, batch {s['batch']} x {s['block']} per process, {s['threads']} "
+                 f"thread(s); {', '.join(p.stem for p in args.paths)}")  # fmt: skip
+        except OSError as e:
+            print(f"{p.prog}: error: {args.plot}: cannot write the PNG: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 
