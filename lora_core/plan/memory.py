@@ -143,8 +143,8 @@ class System:
     # gradient-sized copies DDP's flat buckets add beside the parameters' gradients (1: its default,
     # gradient_as_bucket_view=False, as transformers' Trainer and accelerate leave it; 0: the
     # gradients are views of the buckets, ours-torch since it sets it), and the all-reduce's work
-    # buffers of up to ``DDP_INFLIGHT_MB`` (two of its 25 MB buckets); the MPI engine (Jittor) is
-    # not modelled there (none counted)
+    # buffers of up to ``DDP_INFLIGHT_MB`` (two of its 25 MB buckets); Jittor's MPI all-reduce adds
+    # none (measured: its ranks' peaks below one process's, as ``mpi_load_delta_mb`` has them)
     dp_grad_copies: float = 1.0
     # FSDP2's root unit (embeddings, final norm, head) at ZeRO-3: 1 where it stays gathered from its
     # forward to its backward (ours-torch since 7f22b85: its reshard_after_forward left unset), 2 where
@@ -205,7 +205,8 @@ class System:
 # vocabulary, 2 x 127 tokens per rank, 346 MB of gradients): 2 ranks held 41 and 87 MB more than
 # one process with the gradients as DDP's bucket views, 330 and 345 MB more without (the same
 # losses); LoRA (1 MB of gradients) 2 MB more: DDP's in-flight all-reduce buffers, counted as two
-# of its 25 MB buckets (System.dp_grad_copies)
+# of its 25 MB buckets (System.dp_grad_copies). ours-jittor, the same run under mpirun: 1962 and
+# 1966 MB per rank, 2133 MB in one process (planned: mpi_load_delta_mb, -117 MB, nothing more)
 DDP_INFLIGHT_MB = 50.0
 
 SYSTEMS: dict[str, System] = {
