@@ -147,26 +147,33 @@ def write_base(args: argparse.Namespace, base_dir, write, *payload) -> None:
 
 
 def quantize_kwargs(args: argparse.Namespace) -> dict:
-    """The backends' ``from_pretrained`` arguments of a 4-bit base (empty without ``--quantize``)."""
+    """The backends' ``from_pretrained`` arguments of a 4-bit base (empty without ``--quantize``):
+    ``double_quant`` False with ``--no-double-quant``, else None (not set: True where the base is
+    quantized while it loads, a published 4-bit checkpoint's own otherwise; ``loaded_quant``)."""
     if getattr(args, "quantize", None) is None:
         return {}
-    return {"quantize": args.quantize, "double_quant": not args.no_double_quant,
+    return {"quantize": args.quantize, "double_quant": False if args.no_double_quant else None,
             "compute_dtype": args.compute_dtype or "float32"}
 
 
 def loaded_quant(base, quant: dict) -> dict:
-    """The 4-bit settings of ``base`` as it loads: ``quant`` (``quantize_kwargs``) where given, else
-    a published bitsandbytes 4-bit checkpoint's own (it loads 4-bit without the options: NF4, its
-    double quantization, the default compute dtype), else none (a full-precision base)."""
-    if quant or base is None:
-        return dict(quant)
+    """The 4-bit settings of ``base`` as it loads: ``quant`` (``quantize_kwargs``) where given, its
+    unset double quantization (None) that of ``base`` where it is a published bitsandbytes 4-bit
+    checkpoint, else True; without ``quant``, such a checkpoint's own (it loads 4-bit without the
+    options: NF4, its double quantization, the default compute dtype), else none (a
+    full-precision base)."""
     from lora_core.formats.bnb4bit import quantization_config
 
-    qc = quantization_config(base)
+    qc = None if base is None else quantization_config(base)
+    saved = None if qc is None else bool(qc.get("bnb_4bit_use_double_quant", False))
+    if quant:
+        out = dict(quant)
+        if out.get("double_quant", True) is None:
+            out["double_quant"] = True if saved is None else saved
+        return out
     if qc is None:
         return {}
-    return {"quantize": "nf4", "double_quant": bool(qc.get("bnb_4bit_use_double_quant", False)),
-            "compute_dtype": "float32"}
+    return {"quantize": "nf4", "double_quant": saved, "compute_dtype": "float32"}
 
 
 def base_note(note: str, base, quant: dict) -> str:

@@ -180,7 +180,7 @@ class DistilBertForSequenceClassification(TrainEvalMixin, nn.Module):
 @in_eval_mode
 def distilbert_from_pretrained(
     path: str | os.PathLike, adapter: str | os.PathLike | None = None, num_labels: int | None = None, head_seed: int = 0,
-    quantize: str | None = None, double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64,
+    quantize: str | None = None, double_quant: bool | None = None, compute_dtype: str | None = None, blocksize: int | None = None,
 ):
     """A DistilBERT classifier from HF weights (a checkpoint without a classification head
     gets ``init_head(cfg, head_seed)``), optionally with an adapter folder (ours or peft's);

@@ -177,8 +177,8 @@ def empty_model(model_cls, cfg):
     return model_cls(cfg)
 
 
-def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool = True, compute_dtype: str = "float32",
-                         blocksize: int = 64, explicit: bool = True):
+def from_pretrained_4bit(path, adapter=None, quantize=None, double_quant: bool | None = None,
+                         compute_dtype: str | None = None, blocksize: int | None = None, explicit=None):
     """A QLoRA base (Llama family or GPT-2); see ``lora_core.quant.checkpoint4bit.build_4bit_model``."""
     from lora_core.quant.checkpoint4bit import build_4bit_model
 

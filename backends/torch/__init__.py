@@ -47,7 +47,7 @@ def build_model(cfg, lora=None, base=None, lora_weights=None, trainable: bool = 
 
 @_build.in_eval_mode
 def from_pretrained(path, lora=None, adapter=None, trainable: bool = True, quantize: str | None = None,
-                    double_quant: bool = True, compute_dtype: str = "float32", blocksize: int = 64):
+                    double_quant: bool | None = None, compute_dtype: str | None = None, blocksize: int | None = None):
     """Load a checkpoint of any causal-LM family (GPT-2, or Llama/Mistral/Qwen2 by its
     ``config.json``), optionally with an adapter (ours or peft's); see
     ``lora_core.models.build.from_pretrained`` and ``causal_lm_from_pretrained``. ``quantize="nf4"``:

@@ -71,8 +71,42 @@ def _state_json(raw: np.ndarray, where, key) -> dict:
     return d
 
 
-def _one_state(name: str, parts: dict, where) -> NF4State:
-    """The ``NF4State`` of quantized weight ``name`` from its tensors ``parts`` (by suffix)."""
+# bnb_4bit_quant_storage: the dtype bitsandbytes views the packed bytes as (``packed.view(dtype)``,
+# (ceil(n / 2) / itemsize, 1)); FSDP / DeepSpeed ZeRO-3 QLoRA stores them as the model's float
+# dtype. numpy's dtype of each as this package's tensor reader hands it over: bfloat16 widened to
+# float32 exactly (``tensor_files.bf16_to_f32``: its bits are the top half of the float32's).
+QUANT_STORAGE = {"uint8": np.uint8, "int8": np.int8, "float16": np.float16, "bfloat16": np.float32,
+                 "int16": np.int16, "float32": np.float32, "int32": np.int32, "float64": np.float64,
+                 "int64": np.int64}
+
+
+def quant_storage(qc: dict | None, where) -> str:
+    """``quantization_config``'s ``bnb_4bit_quant_storage`` (``"uint8"`` where absent; ``"torch."``
+    dropped); one numpy cannot reinterpret raises ValueError naming it."""
+    raw = (qc or {}).get("bnb_4bit_quant_storage") or "uint8"
+    name = str(raw).removeprefix("torch.")
+    if name not in QUANT_STORAGE:
+        raise ValueError(f"{where}: quantization_config bnb_4bit_quant_storage {raw!r} is not supported; "
+                         f"expected one of {sorted(QUANT_STORAGE)}")
+    return name
+
+
+def _packed_bytes(arr, storage: str, where, name) -> np.ndarray:
+    """The packed NF4 codes of ``name`` as uint8 (its bytes, not its values), from the tensor the
+    reader gave for a weight stored as ``storage``: a bfloat16 one (widened to float32 by the
+    reader, exactly) narrowed back to its 16 bits, any other reinterpreted byte for byte."""
+    a = np.asarray(arr)
+    want = np.dtype(QUANT_STORAGE[storage])
+    if storage == "uint8" or a.dtype != want:
+        return a  # the shape/dtype check below names what is wrong
+    if storage == "bfloat16":
+        a = (np.ascontiguousarray(a).view(np.uint32) >> 16).astype("<u2")
+    return np.ascontiguousarray(a, a.dtype.newbyteorder("<")).reshape(-1).view(np.uint8).reshape(-1, 1)
+
+
+def _one_state(name: str, parts: dict, where, storage: str = "uint8") -> NF4State:
+    """The ``NF4State`` of quantized weight ``name`` from its tensors ``parts`` (by suffix);
+    ``storage``: the checkpoint's ``bnb_4bit_quant_storage`` (``quant_storage``)."""
     qs_keys = [k for k in parts if k.startswith(QS_PREFIX)]
     if len(qs_keys) != 1:
         raise _bad(where, name, f"expected one {name}.{QS_PREFIX}nf4 tensor, found {qs_keys}")
@@ -100,7 +134,7 @@ def _one_state(name: str, parts: dict, where) -> NF4State:
             raise _bad(where, qkey, f"nested_blocksize {nbs!r}, expected a positive int")
         if type(off) not in (int, float) or not math.isfinite(off):
             raise _bad(where, qkey, f"nested_offset {off!r}, expected a finite number")
-    packed, absmax = np.asarray(parts["weight"]), np.asarray(parts["absmax"])
+    packed, absmax = _packed_bytes(parts["weight"], storage, where, name), np.asarray(parts["absmax"])
     nb = -(-n // bs)
     checks = [
         (name, packed, (-(-n // 2), 1), np.uint8),
@@ -112,7 +146,10 @@ def _one_state(name: str, parts: dict, where) -> NF4State:
                    (f"{name}.nested_quant_map", np.asarray(parts["nested_quant_map"]), (256,), np.float32)]
     for key, arr, shp, dt in checks:
         if tuple(arr.shape) != shp or arr.dtype != dt:
-            raise _bad(where, key, f"{arr.dtype}{list(arr.shape)}, expected {np.dtype(dt)}{list(shp)} for shape {list(shape)}, blocksize {bs}")
+            got = f"{arr.dtype}{list(arr.shape)}"
+            if key == name and storage != "uint8":  # what the file holds, before its bytes were taken
+                got = f"{np.asarray(parts['weight']).dtype}{list(np.shape(parts['weight']))} under bnb_4bit_quant_storage {storage}, {got} as bytes"
+            raise _bad(where, key, f"{got}, expected {np.dtype(dt)}{list(shp)} for shape {list(shape)}, blocksize {bs}")
     if not np.array_equal(parts["quant_map"], NF4_CODE):
         raise _bad(where, f"{name}.quant_map", "not bitsandbytes' NF4 table")
     if nested and not np.array_equal(parts["nested_quant_map"], dynamic_map()):
@@ -124,9 +161,10 @@ def _one_state(name: str, parts: dict, where) -> NF4State:
     return st
 
 
-def split_bnb4bit(tensors: dict, where) -> dict[str, NF4State]:
+def split_bnb4bit(tensors: dict, where, storage: str = "uint8") -> dict[str, NF4State]:
     """Pop every bitsandbytes 4-bit weight (and its state tensors) out of ``tensors`` (names
-    as in the file) and return their ``NF4State`` by weight name; the rest stays."""
+    as in the file) and return their ``NF4State`` by weight name; the rest stays. ``storage``:
+    the dtype the packed weights are stored as (``quant_storage(qc)``); their bytes are the codes."""
     groups: dict[str, dict] = {}
     for k in list(tensors):
         head, _, tail = k.partition(".weight.")
@@ -137,7 +175,7 @@ def split_bnb4bit(tensors: dict, where) -> dict[str, NF4State]:
         if name not in tensors:
             raise _bad(where, name, f"its state tensors ({sorted(parts)}) are there but the packed weight is not")
         parts["weight"] = tensors.pop(name)
-        states[name] = _one_state(name, parts, where)
+        states[name] = _one_state(name, parts, where, storage)
     return states
 
 
@@ -185,4 +223,5 @@ def write_bnb4bit_checkpoint(folder: str | os.PathLike, config: dict, tensors: d
     write_weights_and_config(folder, "model.safetensors", arrays, {"format": "pt"}, "config.json", cfg)
 
 
-__all__ = ["bnb4bit_config", "bnb4bit_tensors", "quantization_config", "split_bnb4bit", "write_bnb4bit_checkpoint"]
+__all__ = ["QUANT_STORAGE", "bnb4bit_config", "bnb4bit_tensors", "quant_storage", "quantization_config", "split_bnb4bit",
+           "write_bnb4bit_checkpoint"]

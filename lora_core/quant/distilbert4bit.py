@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import os
 
-from ..formats.bnb4bit import quantization_config, split_bnb4bit
+from ..formats.bnb4bit import quant_storage, quantization_config, split_bnb4bit
 from ..formats.hf_checkpoint import find_weights, read_hf_weights
 from ..formats.tensor_files import CheckpointError
 from ..models import distilbert as _db
-from .checkpoint4bit import assemble_4bit_model, check_4bit_shapes, prequantized_config, quantize_stored_full_precision
+from .checkpoint4bit import (
+    assemble_4bit_model,
+    check_4bit_shapes,
+    float_skip_modules,
+    prequantized_config,
+    quantize_stored_full_precision,
+    resolved,
+)
 from .qlora import DISTILBERT_SKIP, quant_config, quantize_while_loading
 
 
@@ -34,7 +41,7 @@ def _prequantized(path, num_labels, head_seed):
         raise CheckpointError(f"{wpath}: no config.json beside it")
     cfg = _db.DistilBertConfig.from_hf_json(cfg_json, num_labels)
     raw = read_hf_weights(wpath)
-    states = split_bnb4bit(raw, wpath)
+    states = split_bnb4bit(raw, wpath, quant_storage(quantization_config(wpath.parent), cfg_json))
     mlm = [k for k in _db.MLM_HEAD_KEYS if k in raw or k in states]
     for k in mlm:
         raw.pop(k, None)
@@ -48,15 +55,16 @@ def _prequantized(path, num_labels, head_seed):
     return cfg, states, raw, wpath
 
 
-def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", double_quant: bool = True,
-                         compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True,
+def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", double_quant: bool | None = None,
+                         compute_dtype: str | None = None, blocksize: int | None = None, explicit=None,
                          num_labels: int | None = None, head_seed: int = 0):
     """``(cfg, states, tensors, qcfg)`` of a DistilBERT classifier's QLoRA base: ``states`` the NF4
     weights by name, ``tensors`` the rest (memory maps of a ``.safetensors`` file as they are,
     ``LazyTensor`` s where a tensor must be read or widened: bfloat16, ``.bin``; a checkpoint
     without a classification head gets ``init_head(cfg, head_seed)``).
-    A bitsandbytes 4-bit checkpoint is read as it is (``explicit``: the quantization options
-    were given and must match it); otherwise ``quantize="nf4"`` quantizes while loading.
+    A bitsandbytes 4-bit checkpoint is read as it is (the storage options set must match it:
+    ``checkpoint4bit.prequantized_config``); otherwise ``quantize="nf4"`` quantizes while loading
+    (None: ``checkpoint4bit.DEFAULTS``).
 
     Raises:
         ValueError: another quantization method or type, a block size bitsandbytes does not
@@ -68,7 +76,8 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
     if qc is None:
         if quantize is None:
             raise ValueError(f"{path}: not a 4-bit checkpoint; pass quantize='nf4' to quantize it while loading")
-        qcfg = quant_config(quantize, double_quant=double_quant, compute_dtype=compute_dtype, blocksize=blocksize)
+        dq, cd, bs = resolved(double_quant, compute_dtype, blocksize)
+        qcfg = quant_config(quantize, double_quant=dq, compute_dtype=cd, blocksize=bs)
         cfg, tensors, has_head = _db.load_distilbert_checkpoint(path, num_labels=num_labels, lazy=True)
         if not has_head:
             tensors.update(_db.init_head(cfg, head_seed))
@@ -80,8 +89,9 @@ def load_distilbert_4bit(path: str | os.PathLike, quantize: str | None = "nf4", 
 
 
 def build_4bit_classifier(model_cls, empty_model, to_4bit, load_adapter, path, adapter=None,
-                          num_labels: int | None = None, head_seed: int = 0, quantize=None, double_quant: bool = True,
-                          compute_dtype: str = "float32", blocksize: int = 64, explicit: bool = True):
+                          num_labels: int | None = None, head_seed: int = 0, quantize=None,
+                          double_quant: bool | None = None, compute_dtype: str | None = None,
+                          blocksize: int | None = None, explicit=None):
     """The backends' 4-bit ``distilbert_from_pretrained``: ``load_distilbert_4bit``, the model
     from the backend's ``empty_model(model_cls, cfg)``, its quantized layers made 4-bit
     (``to_4bit(model, states, qcfg)``), the other weights (strict), then the adapter folder."""
@@ -91,13 +101,12 @@ def build_4bit_classifier(model_cls, empty_model, to_4bit, load_adapter, path, a
 
 
 def skip_modules(cfg, quantized) -> list[str] | None:
-    """``llm_int8_skip_modules`` of a saved 4-bit checkpoint of ``cfg``'s family whose 4-bit weights
-    are named in ``quantized``: DistilBERT's head modules kept in float32 (None: transformers'
-    default, which already keeps the LM heads of GPT-2 and the Llama family unquantized, and
-    quantizes a DistilBERT head)."""
+    """``llm_int8_skip_modules`` of a saved 4-bit DistilBERT checkpoint whose 4-bit weights are
+    named in ``quantized``: its head modules kept in float32 (``checkpoint4bit.float_skip_modules``,
+    which also lists float block linears; None for another family's config)."""
     if not isinstance(cfg, _db.DistilBertConfig):
         return None
-    return [m for m in DISTILBERT_SKIP if f"{m}.weight" not in quantized] or None
+    return float_skip_modules({}, quantized, DISTILBERT_SKIP, heads_alone=True)
 
 
 __all__ = ["build_4bit_classifier", "load_distilbert_4bit", "skip_modules"]

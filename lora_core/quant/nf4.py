@@ -172,11 +172,27 @@ def _torch_sum(x: np.ndarray, lanes: int | None = None, threads: int = 1) -> np.
     return np.float32(np.float32(0) + _serial_sum(parts, lanes))
 
 
+THREADS_ENV = "LORA_CORE_TORCH_THREADS"
+
+
 def absmax_offset(absmax: np.ndarray, threads: int | None = None) -> np.float32:
     """The double-quantization offset: torch's float32 ``absmax.mean()`` on CPU. ``threads``:
-    torch's intra-op threads when bitsandbytes quantized (matters only from 32768 blocks up;
-    default ``LORA_CORE_TORCH_THREADS`` or 1)."""
-    threads = threads or int(os.environ.get("LORA_CORE_TORCH_THREADS", "1"))
+    torch's intra-op threads (``torch.get_num_threads()``) in the process where bitsandbytes
+    quantized; default ``LORA_CORE_TORCH_THREADS``, else 1. It matters from 32768 blocks up
+    (2,097,152 elements at blocksize 64: Llama-3.2-1B's q_proj has 65536 blocks), where torch sums
+    ``min(threads, ceil(blocks / 32768))`` chunks apart: bitsandbytes run under another thread
+    count can store another offset (its last bit) and so other 8-bit scale codes, its 4-bit codes
+    the same. 1 keeps the bytes the same on every machine and in both backends (this package
+    imports no torch here and is not told the caller's threads); set the variable to the
+    bitsandbytes process's ``torch.get_num_threads()`` for its bytes (a 4096 x 2048 weight,
+    bitsandbytes under 8 or 16 threads: other scale codes with 1, the same bytes with the
+    variable set to 8 or 16)."""
+    if not threads:
+        env = os.environ.get(THREADS_ENV, "1").strip()
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{THREADS_ENV}={env!r}: expected a positive integer (torch's intra-op threads "
+                             f"when bitsandbytes quantized)")
+        threads = int(env)
     return np.float32(_torch_sum(absmax, threads=threads) / np.float32(absmax.size))
 
 
@@ -388,5 +404,5 @@ def to_bfloat16(x: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["BLOCKSIZES", "NESTED_BLOCKSIZE", "NF4State", "NF4_CODE", "absmax_offset", "block_scales",
-           "check_blocksize", "cpu_lanes", "dequantize_nf4", "dynamic_map", "pack_nibbles", "quantize_blockwise",
+           "THREADS_ENV", "check_blocksize", "cpu_lanes", "dequantize_nf4", "dynamic_map", "pack_nibbles", "quantize_blockwise",
            "quantize_nf4", "to_bfloat16", "unpack_nibbles"]
