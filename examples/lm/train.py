@@ -28,9 +28,10 @@ base with its projections stored as NF4 (a ``--random-init`` base is written to 
 quantized as it loads from there); ``examples.lm.evaluate`` and ``examples.lm.generate`` take the
 same options for its adapter. Refused with ``--method full``; a resume must keep them.
 
-Refused before any training: a tokenizer (``meta.json``) with more tokens than the model's
-vocabulary, blocks longer than the model's positions, an adapter recipe whose targets match
-no module.
+Refused before any training: another model's tokenizer (``meta.json``: more tokens than the
+model's vocabulary, fewer than 90% of its rows, or an end-of-text id its config does not name),
+a prepared folder whose files are not the ones its ``meta.json`` describes, blocks longer than
+the model's positions, an adapter recipe whose targets match no module.
 """
 
 from __future__ import annotations

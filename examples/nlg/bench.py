@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.nlg.bench", description=doc_summary(__doc__))
     p.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "data",
                    help="folder with e2e/{train,test}.txt and gpt2-vocab/ (default: ../shared/data beside the project)")
-    p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated: gpt2, tiny, demo (the default), gpt2-medium, gpt2-large (for a GPU)")
+    p.add_argument("--shapes", default="gpt2,tiny,demo", help="comma-separated of gpt2, tiny, demo, gpt2-medium, gpt2-large (for a GPU); default gpt2,tiny,demo")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
