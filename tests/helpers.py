@@ -110,3 +110,55 @@ def write_torch_bin(state_dict: dict, folder, shards: int = 0) -> None:
         torch.save({k: state_dict[k] for k in names[i::shards]}, folder / fname)
         weight_map.update({k: fname for k in names[i::shards]})
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# ------------------------------------------------------------------ tiny 4-bit models (bitsandbytes)
+
+BNB_VOCAB = 96
+# widths multiples of the block size (64): bitsandbytes 0.50.2's CPU dequantization kernel scales a
+# block that spans two rows by another block's absmax (tests/test_nf4.py, _rows_whole), and
+# transformers' forward uses it; the spec and our layers dequantize such blocks as stored.
+BNB_SMALL = dict(vocab_size=BNB_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+def tiny_hf_lm(kind: str, **extra):
+    """A tiny random transformers causal LM of ``kind`` (llama, mistral, qwen2, gpt2) at the
+    4-bit tests' widths (``BNB_SMALL``); ``extra``: more config fields (Llama's attention_bias)."""
+    import transformers
+
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=BNB_VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0,
+            attn_pdrop=0, **extra))  # fmt: skip
+    if kind == "mistral":
+        extra.setdefault("sliding_window", 64)
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[kind]
+    return getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**BNB_SMALL, **extra))
+
+
+def bnb_nf4_config(quant_type: str = "nf4", **kw):
+    """transformers' 4-bit quantization config on the float32 compute path (double quantization
+    unless ``bnb_4bit_use_double_quant=False``)."""
+    import torch
+    import transformers
+
+    kw.setdefault("bnb_4bit_use_double_quant", True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                           bnb_4bit_compute_dtype=torch.float32, **kw)  # fmt: skip
+
+
+def load_hf_4bit(folder, **kw):
+    """transformers' 4-bit model of ``folder`` (``kw``: ``from_pretrained``'s, e.g. a
+    ``quantization_config``) on the exact float32 path: without ``exact_4bit_inference``,
+    bitsandbytes 0.50.2's Linear4bit in eval mode on a CPU with AVX512-BF16 repacks its weight for
+    a bfloat16 gemv kernel (``_convert_weight_packed_for_cpu``; 1.3e-3 x scale off float32 here)."""
+    import torch
+    import transformers
+
+    from examples.lm.bench_systems import exact_4bit_inference
+
+    kw.setdefault("dtype", torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", **kw)
+    exact_4bit_inference(m)
+    return m.eval()

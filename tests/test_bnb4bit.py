@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import BNB_VOCAB, assert_close, bnb_nf4_config, load_hf_4bit, tiny_hf_lm, to_numpy
 
 import lora_core as lc
 from lora_core.data.batching import collate
@@ -24,36 +24,18 @@ peft = pytest.importorskip("peft")
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 st = pytest.importorskip("safetensors.torch")
 
-V = 96
-# widths multiples of the block size (64): bitsandbytes 0.50.2's CPU dequantization kernel scales a
-# block that spans two rows by another block's absmax (tests/test_nf4.py, _rows_whole), and
-# transformers' forward uses it; the spec and our layers dequantize such blocks as stored.
-SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-KINDS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_bias=True)),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=64)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)),
-}
+V = BNB_VOCAB
+KINDS = {"llama": lambda: tiny_hf_lm("llama", attention_bias=True), "mistral": lambda: tiny_hf_lm("mistral"),
+         "qwen2": lambda: tiny_hf_lm("qwen2"), "gpt2": lambda: tiny_hf_lm("gpt2")}
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
 
 
 def _bnb_config(quant_type="nf4"):
-    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    return bnb_nf4_config(quant_type)
 
 
 def _load_4bit(d):
-    """transformers' 4-bit model on the exact float32 path: without this, bitsandbytes 0.50.2's
-    Linear4bit in eval mode on a CPU with AVX512-BF16 repacks its weight for a bfloat16 gemv
-    kernel (``_convert_weight_packed_for_cpu``; 1.3e-3 x scale off float32 here)."""
-    from examples.lm.bench_systems import exact_4bit_inference
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, quantization_config=_bnb_config(), device_map="cpu")
-    exact_4bit_inference(hf)
-    return hf.eval()
+    return load_hf_4bit(d, quantization_config=_bnb_config())
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,19 @@ def test_lm_bench_gpt2_methods_tiny(tmp_path):
     assert result["flops_per_token"]["lora"] == 2 * 2 * 8 * ((64 + 192) + (64 + 64))
 
 
+def test_same_tokens_compares_systems_not_one_with_itself():
+    """The ``same`` column compares each system's greedy tokens with hf-peft's (or the first
+    decoding system's); with one system decoding there is nothing to compare: ``-``, not ``yes``."""
+    from examples.lm.bench import same_tokens
+
+    a, b = {"tokens": [[1, 2]]}, {"tokens": [[1, 3]]}
+    assert same_tokens({"ours-torch": [a, a]}) == {"ours-torch": None}
+    assert same_tokens({"ours-torch": [a], "ours-jittor": [{}]}) == {"ours-torch": None, "ours-jittor": None}
+    assert same_tokens({"ours-torch": [a], "hf-peft": [b]}) == {"ours-torch": False, "hf-peft": True}
+    assert same_tokens({"ours-torch": [a, b], "ours-jittor": [a]}) == {"ours-torch": False, "ours-jittor": True}
+    assert same_tokens({"ours-torch": [a], "ours-jittor": [a], "hf-peft": [{}]})["hf-peft"] is None
+
+
 def test_gpt2_flops_per_token():
     """The bench's FLOP count on GPT-2 (``lora_core.models.gpt2.count_flops_per_token`` + LoRA on
     c_attn and attn.c_proj) equals the memory planner's, written apart, for full FT and LoRA."""

@@ -616,16 +616,25 @@ def test_cli_zero_engine_and_jittor_stage_3(capsys):
 
 
 def test_cli_zero_engine_only_one_the_system_runs_and_only_with_zero(capsys):
-    """Each system takes only the engines its runs shard ZeRO on (``SYSTEM_ZERO_ENGINES``, its
-    default first: the bench's hf-peft engines, ``System.zero_engine``): Jittor's stage 3 is not
+    """Each system takes only the engines its runs shard ZeRO on (``System.engines``, its
+    default ``System.zero_engine`` first; hf-peft's the bench's engines): Jittor's stage 3 is not
     planned on FSDP2, ours-torch not on Jittor's MPI engine; an engine without ``--zero 2|3`` is
-    refused; a ZeRO plan's header names the engine, the system's default where none is given."""
+    refused, by ``PlanConfig`` as by the console; a ZeRO plan's header names the engine, the
+    system's default where none is given."""
     from examples.lm.bench_systems import HF_ZERO_ENGINES
-    from lora_core.plan.cli import SYSTEM_ZERO_ENGINES
+    from lora_core.models import preset_config
 
-    assert set(SYSTEM_ZERO_ENGINES) == set(SYSTEMS) and SYSTEM_ZERO_ENGINES["hf-peft"] == HF_ZERO_ENGINES
-    assert all(engines[0] == SYSTEMS[s].zero_engine for s, engines in SYSTEM_ZERO_ENGINES.items())
-    assert SYSTEM_ZERO_ENGINES["ours-torch"] == ("fsdp2",) and SYSTEM_ZERO_ENGINES["ours-jittor"] == ("mpi",)
+    assert SYSTEMS["hf-peft"].engines == HF_ZERO_ENGINES == SYSTEMS["hf-peft-cuda"].engines
+    assert SYSTEMS["ours-torch"].engines == ("fsdp2",) and SYSTEMS["ours-jittor"].engines == ("mpi",)
+    assert SYSTEMS["gpu"].engines == ("deepspeed", "fsdp2")
+    for kw, words in (({"zero_engine": "fsdp2"}, "needs ZeRO stage 2 or 3, not 0"),
+                      ({"zero_engine": "fsdp2", "zero": 2, "ranks": 2, "system": "ours-jittor"},
+                       "ours-jittor runs ZeRO on mpi only")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            PlanConfig(**kw)
+    deepspeed = plan(preset_config("llama-bench"), PlanConfig(zero=2, ranks=2, system="hf-peft", zero_engine="deepspeed", seq=128))
+    fsdp2 = plan(preset_config("llama-bench"), PlanConfig(zero=2, ranks=2, system="hf-peft", seq=128))
+    assert fsdp2.weights > deepspeed.weights  # FSDP2's stage 2 gathers the trained weights, DeepSpeed keeps them whole
     base = ["--model", "llama-bench", "--seq", "128"]
     for argv, words in (
         (["--system", "ours-jittor", "--zero", "3", "--ranks", "2", "--zero-engine", "fsdp2"],

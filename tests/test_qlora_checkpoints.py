@@ -19,39 +19,20 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import BNB_VOCAB, assert_close, bnb_nf4_config, load_hf_4bit, tiny_hf_lm, to_numpy
 
 transformers = pytest.importorskip("transformers")
 bnb = pytest.importorskip("bitsandbytes")
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
-V = 96
-# widths multiples of the block size (64), as in test_bnb4bit.py (bitsandbytes' CPU dequantization
-# of blocks spanning two rows)
-SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-KINDS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)),
-}
+V = BNB_VOCAB
+KINDS = {"llama": lambda: tiny_hf_lm("llama"), "gpt2": lambda: tiny_hf_lm("gpt2")}
 # transformers' module names (suffix patterns, as users write them) left in full precision
 SKIP = {"llama": ["lm_head", "down_proj"], "gpt2": ["lm_head", "mlp.c_proj", "h.0.attn.c_attn"]}
 
 
-def _bnb(**kw):
-    kw.setdefault("bnb_4bit_use_double_quant", True)
-    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                           bnb_4bit_compute_dtype=torch.float32, **kw)
-
-
-def _hf(d, **kw):
-    """transformers' model of folder ``d`` on bitsandbytes' float32 NF4 path (test_bnb4bit._load_4bit)."""
-    from examples.lm.bench_systems import exact_4bit_inference
-
-    m = transformers.AutoModelForCausalLM.from_pretrained(d, device_map="cpu", dtype=torch.float32, **kw)
-    exact_4bit_inference(m)
-    return m.eval()
+_bnb = bnb_nf4_config
+_hf = load_hf_4bit
 
 
 def _ids():

@@ -418,14 +418,12 @@ def medians(runs: list[dict]) -> dict:
 
 def same_tokens(raw: dict) -> dict[str, bool | None]:
     """Per system: every run's greedy tokens equal the reference's (hf-peft's first run, or the
-    first system's with tokens); None without tokens."""
-    ref_system = (
-        "hf-peft"
-        if any("tokens" in r for r in raw.get("hf-peft", []))
-        else next((s for s, runs in raw.items() if any("tokens" in r for r in runs)), None)
-    )
-    if ref_system is None:
+    first system's with tokens); None without tokens, and for every system where fewer than two
+    systems decoded (nothing to compare a system with: the column says ``-``, not ``yes``)."""
+    decoded = [s for s, runs in raw.items() if any("tokens" in r for r in runs)]
+    if len(decoded) < 2:
         return {s: None for s in raw}
+    ref_system = "hf-peft" if "hf-peft" in decoded else decoded[0]
     ref = next(r["tokens"] for r in raw[ref_system] if "tokens" in r)
     return {s: (all(r["tokens"] == ref for r in runs if "tokens" in r) if any("tokens" in r for r in runs) else None)
             for s, runs in raw.items()}  # fmt: skip

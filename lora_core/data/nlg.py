@@ -195,12 +195,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8", newline="\n"))
 
 
-def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> None:
-    """Write one ``json.dumps(record)`` per line (``\\n``-terminated) atomically.
+def jsonl_text(records: Iterable[dict]) -> str:
+    """One ``json.dumps(record)`` per line, each ``\\n``-terminated: the text of a JSONL file.
 
     ``json.dumps`` defaults (ASCII escapes) match the paper's formatted files byte for byte.
     """
-    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> None:
+    """Write ``records`` as JSONL (:func:`jsonl_text`) atomically."""
+    write_text_atomic(path, jsonl_text(records))
 
 
 # --------------------------------------------------------------------------- grouping

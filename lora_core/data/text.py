@@ -165,14 +165,14 @@ def write_prepared(out_dir: str | os.PathLike, blocks: dict[str, list[list[int]]
     ``PREPARED_SPLITS``; ``meta`` gains the block and token counts and the files' SHA-256.
     ``meta.json`` goes first and comes back last: a failure in between leaves a folder that
     :func:`read_prepared` refuses, never a mix of two preparations. Returns the meta written."""
-    from .nlg import write_text_atomic
+    from .nlg import jsonl_text, write_text_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     meta = dict(meta, sha256={})
     for split in PREPARED_SPLITS:
-        text = "".join(json.dumps({"ids": b}) + "\n" for b in blocks[split])
+        text = jsonl_text({"ids": b} for b in blocks[split])
         write_text_atomic(out / f"{split}.jsonl", text)
         meta[f"{split}_blocks"] = len(blocks[split])
         meta[f"{split}_tokens"] = sum(map(len, blocks[split]))

@@ -9,7 +9,7 @@ Usage::
 ``--model``: a ``config.json`` (or its folder) of GPT-2 or the Llama family (llama, mistral,
 qwen2), or a preset name of ``lora_core.models.llama.PRESETS`` / ``lora_core.PRESETS``.
 
-``--zero-engine`` takes only an engine the system's runs shard ZeRO on (``SYSTEM_ZERO_ENGINES``)
+``--zero-engine`` takes only an engine the system's runs shard ZeRO on (``System.engines``)
 and only with ``--zero 2`` or ``3``; the plan's header names the engine of a ZeRO plan.
 ``--heap-trim on|off`` and ``--allocator glibc|tcmalloc`` where the planner models no effect of
 them (a system that never trims its heap or chooses its malloc, a GPT-2 model for the trim, a
@@ -19,7 +19,6 @@ run under tcmalloc for the trim) are planned as without them, with a one-line no
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 
@@ -33,15 +32,6 @@ from .memory import METHODS, PRECISIONS, STAGES, SYSTEMS, ZERO_ENGINES, PlanConf
 # family; GPT-2's fused qkv product (the paper adapts its q and v slices)
 DEFAULT_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj"), "gpt2": ("c_attn",)}
 DEFAULT_R = 8
-# the engines each system's runs shard ZeRO on, its default (``System.zero_engine``) first: ours-torch
-# on FSDP2 (its torch backend), ours-jittor on its MPI engine (AdamW's moments; no stage 3), the
-# bench's transformers + peft on FSDP2 or DeepSpeed (``examples.lm.bench_systems.HF_ZERO_ENGINES``),
-# the generic ``gpu`` system on DeepSpeed or FSDP2
-SYSTEM_ZERO_ENGINES = {"ours-torch": ("fsdp2",), "ours-torch-cuda": ("fsdp2",), "ours-jittor": ("mpi",),
-                       "hf-peft": ("fsdp2", "deepspeed"), "hf-peft-cuda": ("fsdp2", "deepspeed"),
-                       "gpu": ("deepspeed", "fsdp2")}  # fmt: skip
-
-
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in ``--help``, except where there is none (a required option, a None whose help
     says what it stands for)."""
@@ -75,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what runs it (ours-torch, ours-jittor, hf-peft: the CPU; *-cuda, gpu: a GPU)")
     p.add_argument("--zero-engine", default=None, choices=ZERO_ENGINES,
                    help="what shards a ZeRO run (--zero 2|3), one the system runs: "
-                        + "; ".join(f"{s}: {'|'.join(e)}" for s, e in SYSTEM_ZERO_ENGINES.items()) + " (None: the first)")
+                        + "; ".join(f"{s}: {'|'.join(v.engines)}" for s, v in SYSTEMS.items()) + " (None: the first)")
     p.add_argument("--overhead-mb", type=float, default=None, help="replace the system's measured baseline (MB)")
     p.add_argument("--heap-trim", default="auto", choices=TRIM_MODES,
                    help="the run's LORA_MALLOC_TRIM mode (ours-torch's Llama: glibc's heap returned at each layer; "
@@ -125,12 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--targets and --r choose LoRA's adapters; --method full trains every weight (leave them out)")
     if args.overhead_mb is not None and not (math.isfinite(args.overhead_mb) and args.overhead_mb >= 0):
         p.error(f"--overhead-mb must be a number >= 0, got {args.overhead_mb}")
-    engines = SYSTEM_ZERO_ENGINES.get(args.system, (SYSTEMS[args.system].zero_engine,))
+    engines = SYSTEMS[args.system].engines
     if args.zero_engine is not None and args.zero not in (2, 3):
         p.error(f"--zero-engine {args.zero_engine} shards a ZeRO run: it needs --zero 2 or 3, not --zero {args.zero}")
     if args.zero_engine is not None and args.zero_engine not in engines:
         p.error(f"--zero-engine {args.zero_engine}: {args.system} runs ZeRO on {' or '.join(engines)} only")
-    engine = args.zero_engine or SYSTEMS[args.system].zero_engine
     try:
         cfg, name = resolve_model(args.model)
         family = "gpt2" if isinstance(cfg, GPT2Config) else "llama"
@@ -138,20 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         c = PlanConfig(method=args.method, targets=targets, r=DEFAULT_R if args.r is None else args.r,
                        precision=args.precision, gc=args.gc, zero=args.zero, ranks=args.ranks, batch=args.batch,
                        seq=args.seq, system=args.system, overhead_mb=args.overhead_mb, heap_trim=args.heap_trim,
-                       allocator=args.allocator)  # fmt: skip
-        sysm = dataclasses.replace(SYSTEMS[c.system], zero_engine=args.zero_engine) if args.zero_engine else None
-        result = plan(cfg, c, sysm)
+                       allocator=args.allocator, zero_engine=args.zero_engine)  # fmt: skip
+        result = plan(cfg, c)
     except (ValueError, OSError) as e:
         p.error(str(e))
     for note in option_notes(args, family):
         print(f"{p.prog}: note: {note}", file=sys.stderr)
-    text = fmt_plan(result, c, name)
-    if c.zero:  # the engine beside the stage in the header
-        zero = f"ZeRO-{c.zero} over {c.ranks} rank(s)"
-        head, _, rest = text.partition("\n")
-        head = head.replace(zero, f"ZeRO-{c.zero} on {engine} over {c.ranks} rank(s)", 1) if zero in head else f"{head}, ZeRO on {engine}"
-        text = f"{head}\n{rest}"
-    print(text)
+    print(fmt_plan(result, c, name))
     return 0
 
 

@@ -133,6 +133,9 @@ class System:
     # too, gathered through the step; stage 3 every weight), "deepspeed" (stage 2 keeps the weights
     # whole), "mpi" (Jittor's: the AdamW moments only; no stage 3)
     zero_engine: str = "fsdp2"
+    # every engine its runs shard ZeRO on, ``zero_engine`` (the default) first; empty: that one alone
+    # (``PlanConfig.zero_engine`` picks another: transformers + peft on DeepSpeed)
+    zero_engines: tuple[str, ...] = ()
     # the MPI engine (Jittor's, under mpirun with more than one rank): the model built holds this much
     # more (negative: less) than in one process (measured, not isolated), and its ZeRO-2 step holds
     # this many copies of the largest trained tensor at once (backends/jittor/distributed.py: the
@@ -193,6 +196,11 @@ class System:
     autocast: bool = False
     note: str = ""
 
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The ZeRO engines this system's runs shard on, its default first."""
+        return (self.zero_engine, *(e for e in self.zero_engines if e != self.zero_engine))
+
     def for_kind(self, kind: str) -> System:
         """The system with ``family[kind]``'s counts in place of the defaults (a model family
         built from other ops: Jittor's GPT-2 LayerNorm and attention are not its Llama's)."""
@@ -245,7 +253,7 @@ SYSTEMS: dict[str, System] = {
     # glibc's mmap threshold fixed at 128 kB): 4 of its Llama rows had been 10.1-10.6% off, none is now
     "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.96, heap=0.332,
                       heap_layers=0.19, full_heap=0.789, silu_saved=3, head_nv=4, lora_outs=3,
-                      gelu_saved=4, gelu_allocs=8,
+                      gelu_saved=4, gelu_allocs=8, zero_engines=("fsdp2", "deepspeed"),
                       autocast=True, note="transformers + peft, PyTorch CPU"),
     # CUDA (one H200, f03e958: docs/bench/gpu/h200_lm_llama-3.2-1b-L4_f03e958.json, bf16 autocast):
     # the peak without the overhead is compared with torch.cuda.max_memory_allocated, the overhead
@@ -266,10 +274,11 @@ SYSTEMS: dict[str, System] = {
                               fsdp2_root_copies=1, dp_grad_copies=0.0,
                               note="PyTorch CUDA, backends.torch, bf16 autocast; fitted on two H200 runs, two shapes"),
     "hf-peft-cuda": System("hf-peft-cuda", base_mb=767.0, load_mb=0.0, heap_ceiling_mb=None, autocast=True, device="cuda",
+                           zero_engines=("fsdp2", "deepspeed"),
                            act_scale=1.75, head_nv=2, emb_copies=1.0, full_heap=1.0, silu_saved=3, lora_outs=3,
                            note="transformers + peft (+ bitsandbytes) on CUDA, bf16 autocast; fitted on one H200 run, one shape"),
     "gpu": System("gpu", base_mb=500.0, load_mb=0.0, act_scale=1.1, full_heap=1.1, heap_ceiling_mb=None, device="cuda",
-                  zero_engine="deepspeed",
+                  zero_engine="deepspeed", zero_engines=("deepspeed", "fsdp2"),
                   note="assumed, unmeasured here: CUDA context ~500 MB, the caching allocator ~10% above the "
                        "activations, full FT's activations alive with its gradients"),
 }  # fmt: skip
@@ -318,6 +327,8 @@ class PlanConfig:
     # the rule of the frozen head's pieces of rows on the CPU (``heap.head_piece_rows``): "reach"
     # (today's: the fewest rows over glibc's mmap ceiling), "within" (a run before 7b0a1cb)
     head_pieces: str = HEAD_PIECE_RULE
+    # what shards a ZeRO run (zero 2|3): one of the system's ``System.engines`` (None: its default)
+    zero_engine: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(dict.fromkeys(self.targets)))  # a set, in order (as peft's)
@@ -345,6 +356,13 @@ class PlanConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "r" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.zero_engine is not None:
+            if self.zero not in (2, 3):
+                raise ValueError(f"zero engine {self.zero_engine} shards a ZeRO run: it needs ZeRO stage 2 or 3, "
+                                 f"not {self.zero}")  # fmt: skip
+            engines = SYSTEMS[self.system].engines
+            if self.zero_engine not in engines:
+                raise ValueError(f"zero engine {self.zero_engine}: {self.system} runs ZeRO on {' or '.join(engines)} only")
         if self.method != "full" and (not self.targets or self.r < 1):
             raise ValueError(f"{self.method} needs targets and r >= 1, got {self.targets!r}, r={self.r}")
 
@@ -602,6 +620,8 @@ def plan(cfg, c: PlanConfig, sysm: System | None = None) -> Plan:
     a = arch_of(cfg)
     check_sequence(cfg, c.seq)
     sysm = (sysm or SYSTEMS[c.system]).for_kind(a.kind)
+    if c.zero_engine:
+        sysm = dataclasses.replace(sysm, zero_engine=c.zero_engine)
     quantized_base = c.method == "qlora"
     allocator = ""  # what the run's allocator resolves to (systems with a heap trim)
     trims = False
@@ -669,7 +689,7 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
     sysm = SYSTEMS[c.system]
     lines = [f"model {name}: {_count(p.params)} parameters, {_count(p.trainable)} trainable "
              f"({c.method}{'' if c.method == 'full' else f' r={c.r} on ' + ','.join(c.targets)}), {c.precision}, "
-             f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
+             f"GC {'on' if c.gc else 'off'}, ZeRO-{c.zero}{f' on {c.zero_engine or sysm.zero_engine}' if c.zero else ''} over {c.ranks} rank(s), micro-batch {c.batch} x {c.seq} tokens, "
              f"system {c.system} ({sysm.note})"
              + (f", allocator {p.allocator}{' (auto)' if c.allocator == 'auto' else ''}" if p.allocator else ""),
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
@@ -773,7 +793,5 @@ def bench_plan(
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
                    ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision, allocator=allocator,
-                   head_pieces=head_pieces)  # fmt: skip
-    if zero_engine:
-        sysm = dataclasses.replace(sysm or SYSTEMS[system], zero_engine=zero_engine)
+                   head_pieces=head_pieces, zero_engine=zero_engine if zero else None)  # fmt: skip
     return plan(cfg, c, sysm)

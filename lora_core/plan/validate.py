@@ -42,7 +42,6 @@ import numpy as np
 
 from ..models import gpt2, llama
 from ..train.heap import HEAD_PIECE_RULE, HEAD_PIECE_RULES, TRIM_MODES, run_trims
-from .cli import SYSTEM_ZERO_ENGINES
 from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap", "act_scale"),
@@ -262,7 +261,7 @@ def _check_settings(path: Path, s) -> None:
         if s.get(key) is not None and not _positive_int(s[key]):
             raise ValueError(f"{path}: settings.{key}: expected a positive integer or null, got {s[key]!r}")
     for key, allowed in (("malloc_trim", TRIM_MODES), ("head_pieces", HEAD_PIECE_RULES),
-                         ("hf_zero_engine", SYSTEM_ZERO_ENGINES["hf-peft"])):  # fmt: skip
+                         ("hf_zero_engine", SYSTEMS["hf-peft"].engines)):  # fmt: skip
         if s.get(key) is not None and s[key] not in allowed:
             raise ValueError(f"{path}: settings.{key}: {s[key]!r} is not one of {', '.join(allowed)}")
 
