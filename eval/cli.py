@@ -7,7 +7,8 @@ Usage::
     lora-eval dart   (--refs R0 R1 ... | --ref-prefix P --num-refs N) --hyp HYP [...]
 
 Prints a short table (or, with ``--json``, one JSON object of the scores).
-Exit status: 0 scored, 2 bad input or arguments, 3 Java needed but missing.
+Exit status: 0 scored, 2 bad input or arguments (or ``--per-instance`` not written: the scores
+are printed first), 3 Java needed but missing.
 """
 
 from __future__ import annotations
@@ -86,14 +87,25 @@ def _ref_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         parser.error(str(exc))
 
 
-def _write_per_instance(path: str, rows: list[dict]) -> None:
+def _per_instance_problem(path: str) -> str | None:
+    """Why ``--per-instance`` cannot be written where asked (a folder, or a file where a folder
+    of its path must be), checked before scoring (the scores are not lost at the end), or None."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(out)
+    if out.is_dir():
+        return f"--per-instance {out}: is a folder (give a file name)"
+    for parent in out.parents:
+        if parent.exists():  # False below a file (ENOTDIR): the loop reaches that file
+            if not parent.is_dir():
+                return f"--per-instance {out}: {parent} is a file, not a folder"
+            break
+    return None
+
+
+def _write_per_instance(path: str, rows: list[dict]) -> None:
+    """The rows as JSON lines, written atomically (a unique temp file beside ``path``, removed on error)."""
+    from lora_core.data.nlg import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if same:
             print(f"lora-eval: --per-instance {args.per_instance}: is an input ({same[0]}): it would be overwritten; "
                   f"give another path", file=sys.stderr)  # fmt: skip
+            return 2
+        problem = _per_instance_problem(args.per_instance)
+        if problem:
+            print(f"lora-eval: {problem}", file=sys.stderr)
             return 2
     try:
         if args.task == "e2e":
@@ -125,10 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     seconds = time.perf_counter() - start
     rows = scores.pop("per_instance")
-    if args.per_instance:
-        _write_per_instance(args.per_instance, rows)
     if args.json:
         print(json.dumps(scores))
     else:
         print(format_table(args.task, scores, len(rows), seconds))
+    if args.per_instance:  # after the scores are printed: a failed write loses none of them
+        try:
+            _write_per_instance(args.per_instance, rows)
+        except OSError as exc:
+            print(
+                f"lora-eval: --per-instance {args.per_instance}: cannot write it ({exc.strerror or exc})",
+                file=sys.stderr,
+            )
+            return 2
     return 0

@@ -226,14 +226,19 @@ def refuse_codecs_breaks(path: PathLike, lines: Sequence[str], reader: str) -> N
 def read_e2e_references(path: PathLike) -> tuple[list[list[str]], list[int]]:
     """E2E reference file -> (references per instance, first line of each instance).
 
-    An instance without any reference (two empty lines in a row) is an error: the
-    official scorer would crash or score it against nothing; so is a line that the
-    official reading splits in two (:func:`refuse_codecs_breaks`).
+    An instance without any reference (two empty lines in a row, or an empty first line) is
+    an error: the official scorer would crash or score it against nothing; so is a line that
+    the official reading splits in two (:func:`refuse_codecs_breaks`).
     """
     lines = read_lines(path)
     refuse_codecs_breaks(path, lines, "measure_scores.py")
     groups, starts = group_e2e_references([line.strip() for line in lines])
     for i, refs in enumerate(groups):
+        if not refs and i == 0:  # the first group is empty only when line 1 is
+            raise EvalInputError(
+                f"{path}: instance 1 (line 1) has no reference: the file starts with an empty "
+                f"line; remove it (instances are separated by exactly one empty line)"
+            )
         if not refs:
             raise EvalInputError(
                 f"{path}: instance {i + 1} (line {starts[i]}) has no reference: two empty "

@@ -213,3 +213,98 @@ def test_prepared_splits_are_checked_before_predicting(tmp_path):
         cls_data.wordpiece_tokenizer(tmp_path / "no-vocab.txt")
     with pytest.raises(cls_data.DataError, match="not a file"):
         cls_data.wordpiece_tokenizer(tmp_path)
+
+
+
+def test_tsv_with_only_its_header_is_refused(shared_dir, tmp_path):
+    """A train/dev/test TSV with its header and no sentence would prepare an empty split: refused
+    naming the file."""
+    from examples.cls import prepare
+
+    for name, header in (("train.tsv", "sentence\tlabel"), ("test.tsv", "index\tsentence")):
+        (tmp_path / name).write_text(header + "\n")
+        with pytest.raises(cls_data.DataError, match=rf"{name}: no sentence after the header"):
+            cls_data.read_tsv(tmp_path / name, labelled=name != "test.tsv")
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
+    (tmp_path / "test.tsv").write_text("index\tsentence\n0\tdull\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\n")
+    with pytest.raises(cls_data.DataError, match=r"dev.tsv: no sentence after the header"):
+        prepare.prepare(tmp_path, shared_dir / "data" / "distilbert-vocab" / "vocab.txt", tmp_path / "enc")
+    assert not (tmp_path / "enc").exists()
+
+
+def test_sentence_without_tokens_is_refused_naming_file_and_line(shared_dir, tmp_path):
+    """A sentence of characters the tokenizer drops (a zero-width space) is not blank to
+    ``str.strip`` but encodes to [CLS] [SEP] alone: refused naming file and line, before any
+    split is written."""
+    from examples.cls import prepare
+
+    vocab = shared_dir / "data" / "distilbert-vocab" / "vocab.txt"
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
+    (tmp_path / "test.tsv").write_text("index\tsentence\n0\tdull\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nbad\t0\n\u200b\t1\n")
+    assert cls_data.read_tsv(tmp_path / "dev.tsv")[1] == ("\u200b", 1)
+    with pytest.raises(cls_data.DataError, match=r"dev.tsv:3: no token between \[CLS\] and \[SEP\]"):
+        prepare.prepare(tmp_path, vocab, tmp_path / "enc")
+    assert not (tmp_path / "enc").exists()  # train.tsv, fine, is not written before dev.tsv is checked
+    with pytest.raises(cls_data.DataError, match=r"sentence 2: no token between"):  # without a file to name
+        cls_data.encode(cls_data.wordpiece_tokenizer(vocab), ["fine", "\u200b\x00"], max_len=2)
+
+
+def test_read_prepared_index_on_every_line_or_none(tmp_path):
+    """A test split with "index" on some lines only would give the others their line number
+    silently: refused naming file and line; on none (older files): 0..n-1."""
+    import json
+
+    from examples.cls import prepare
+
+    test = tmp_path / "test.jsonl"
+    a, b = {"ids": [101, 5, 102]}, {"ids": [101, 6, 102]}
+    for lines in ([{**a, "index": 7}, b], [a, {**b, "index": 0}]):
+        test.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        with pytest.raises(cls_data.DataError, match=r"test.jsonl:2: 'index' present on some lines and not on others"):
+            prepare.read_prepared(test, with_index=True)
+    test.write_text(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert prepare.read_prepared(test, with_index=True)[2] == [0, 1]
+
+
+def test_evaluate_refuses_an_unlabelled_dev_split(tmp_path):
+    """A dev split without labels gives no accuracy: refused naming it, not skipped."""
+    import json
+    import types
+
+    from examples.cls import evaluate
+
+    cfg = types.SimpleNamespace(max_position_embeddings=32, vocab_size=200)
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"ids": [101, 5, 102], "index": 0}) + "\n")
+    with pytest.raises(cls_data.DataError, match=r"dev.jsonl: no labels \(the dev split must be labelled\)"):
+        evaluate.read_splits(tmp_path, cfg)
+
+
+def test_evaluate_refuses_a_split_that_is_a_folder(tmp_path):
+    """A split path that is a folder is refused naming it; only a missing split is skipped."""
+    import json
+    import types
+
+    from examples.cls import evaluate
+
+    cfg = types.SimpleNamespace(max_position_embeddings=32, vocab_size=200)
+    (tmp_path / "test.jsonl").write_text(json.dumps({"ids": [101, 5, 102], "index": 3}) + "\n")
+    assert list(evaluate.read_splits(tmp_path, cfg)) == [tmp_path / "test.jsonl"]  # no dev.jsonl: skipped
+    (tmp_path / "dev.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"dev.jsonl: a folder, not a file"):
+        evaluate.read_splits(tmp_path, cfg)
+
+
+def test_cls_out_options_that_are_files_are_refused_before_any_work(shared_dir, tmp_path, capsys):
+    """prepare's --out-dir and evaluate's --out naming a file: one line naming the option, before
+    any work (the data folder and the base here do not exist)."""
+    from examples.cls import evaluate, prepare
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    vocab = shared_dir / "data" / "distilbert-vocab" / "vocab.txt"
+    assert prepare.main(["--data-dir", str(tmp_path / "none"), "--vocab", str(vocab), "--out-dir", str(afile)]) == 2
+    assert capsys.readouterr().err == f"error: --out-dir {afile}: a file, not a folder\n"
+    assert evaluate.main(["--base", str(tmp_path / "no-base"), "--prepared", str(tmp_path), "--out", str(afile)]) == 1
+    assert capsys.readouterr().err == f"error: --out {afile}: a file, not a folder\n"

@@ -156,6 +156,15 @@ def test_e2e_instance_without_reference(tmp_path):
         ev.score_e2e(ref, _write(tmp_path / "hyp", "a\n\nb\n"), metrics="BLEU")
 
 
+def test_e2e_reference_starting_with_empty_line(tmp_path):
+    """An empty first line is named as such, not as "two empty lines in a row"."""
+    ref = _write(tmp_path / "ref.txt", "\na b c\n\nd e f\n")
+    with pytest.raises(ev.EvalInputError, match=r"ref.txt: instance 1 \(line 1\) has no reference: the file starts "
+                       r"with an empty line") as err:  # fmt: skip
+        ev.score_e2e(ref, _write(tmp_path / "hyp", "a b c\nd e f\n"), metrics="BLEU")
+    assert "two empty lines" not in str(err.value)
+
+
 def test_unknown_metric_and_list_api_checks():
     with pytest.raises(ValueError, match="unknown metric 'bleurt'; choose from BLEU, NIST"):
         ev.score_e2e_lists([["a"]], ["a"], metrics="bleurt")
@@ -327,6 +336,41 @@ def test_cli_table_prefix_and_errors(tmp_path, shared_dir):
     bad = run("dart", "--refs", str(case / "reference0"), "--hyp", str(tmp_path / "none.txt"))
     assert bad.returncode == 2 and "file not found" in bad.stderr
     assert main(["e2e", "--ref", str(case / "reference0"), "--hyp", str(case / "hyp.txt"), "--metrics", "nope"]) == 2
+
+
+def test_cli_per_instance_path_checked_before_scoring_and_written_atomically(tmp_path, capsys, monkeypatch):
+    """A ``--per-instance`` path that cannot be written (a folder, or below a file) is refused in one
+    line (exit 2) before any scoring; the file is written through a unique temp file (an ``OUT.tmp``
+    in the way does not matter), removed when the write fails, which loses none of the printed scores."""
+    import eval.cli as cli
+
+    ref, hyp = _write(tmp_path / "ref.txt", "a b c\n\nd e f\n"), _write(tmp_path / "hyp.txt", "a b c\nd e f\n")
+    argv = ["e2e", "--ref", str(ref), "--hyp", str(hyp), "--metrics", "BLEU", "--per-instance"]
+    (tmp_path / "afile").write_text("x")
+    with monkeypatch.context() as m:
+        m.setattr(cli, "score_e2e", lambda *a, **k: pytest.fail("scored before the output path was checked"))
+        for out, words in ((tmp_path, "is a folder (give a file name)"),
+                           (tmp_path / "afile" / "pi.jsonl", f"{tmp_path / 'afile'} is a file, not a folder")):  # fmt: skip
+            assert cli.main([*argv, str(out)]) == 2
+            err = capsys.readouterr().err
+            assert err == f"lora-eval: --per-instance {out}: {words}\n", err
+    out = tmp_path / "new" / "pi.jsonl"
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "pi.jsonl.tmp").mkdir()  # the old fixed temp name, taken
+    assert cli.main([*argv, str(out)]) == 0, capsys.readouterr().err
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["pi.jsonl", "pi.jsonl.tmp"]
+    capsys.readouterr()
+
+    def fail(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", fail)
+    out2 = tmp_path / "new" / "pi2.jsonl"
+    assert cli.main([*argv, str(out2)]) == 2
+    got = capsys.readouterr()
+    assert "BLEU" in got.out and got.err == f"lora-eval: --per-instance {out2}: cannot write it (Permission denied)\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["pi.jsonl", "pi.jsonl.tmp"]  # the temp file removed
 
 
 def test_paraphrase_subset_keeps_what_the_texts_can_use(tmp_path, monkeypatch):

@@ -20,8 +20,9 @@ import numpy as np
 
 import lora_core as lc
 from lora_core.data import cls_data
-from lora_core.data.nlg import write_text_atomic
+from lora_core.data.nlg import check_data_file, write_text_atomic
 from lora_core.formats.checkpoint import write_json_atomic
+from lora_core.train.run_dir import check_out_dir
 from lora_core.train.tasks import check_token_ids
 
 from ..run_options import add_quantize_options, check_quantize, doc_summary, quantize_kwargs, resolve_base_adapter
@@ -43,7 +44,7 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
     """``write_predictions`` of ``base`` + ``adapter``; ``quant``: ``distilbert_from_pretrained``'s
     4-bit arguments (``quantize="nf4"``, ...: the base a QLoRA adapter was trained on)."""
     bk = lc.get_backend(backend_name)
-    if not any((prepared / f"{split}.jsonl").is_file() for split in ("dev", "test")):
+    if not any((prepared / f"{split}.jsonl").exists() for split in ("dev", "test")):
         raise ValueError(f"--prepared {prepared}: holds neither dev.jsonl nor test.jsonl (an examples.cls.prepare folder)")
     base, adapter = resolve_base_adapter(base, adapter, quant or {})
     model = bk.distilbert_from_pretrained(base, adapter=adapter, **(quant or {}))
@@ -54,13 +55,18 @@ def evaluate(backend_name: str, base: Path, adapter: Path | None, prepared: Path
 def read_splits(prepared: Path, model_config) -> dict:
     """The ``dev`` and ``test`` splits found in ``prepared`` (``read_prepared``'s ``(ids, labels,
     indices)`` by path), every one checked against the model (lengths within its positions, ids
-    in its vocabulary; ``tasks.check_token_ids``) before anything is predicted or written."""
+    in its vocabulary; ``tasks.check_token_ids``) before anything is predicted or written. A split
+    that is there but not a readable file (a folder, an empty file), or a dev split without
+    labels (no accuracy to give), is refused naming it."""
     out = {}
     for split in ("dev", "test"):
         path = prepared / f"{split}.jsonl"
-        if path.is_file():
-            out[path] = read_prepared(path, with_index=True)
-            check_token_ids(out[path][0], model_config, f"{path} line")
+        if not path.exists():
+            continue
+        out[path] = read_prepared(check_data_file(path), with_index=True)
+        if split == "dev" and out[path][1] is None:
+            raise cls_data.DataError(f"{path}: no labels (the dev split must be labelled)")
+        check_token_ids(out[path][0], model_config, f"{path} line")
     return out
 
 
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         check_quantize(args)
+        check_out_dir(args.out, resume=True, option="--out")  # before any work; resume: no run here, old files may stay
         metrics = evaluate(args.backend, args.base, args.adapter, args.prepared, args.out, quantize_kwargs(args))
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; a missing file an OSError
         print(f"error: {e}", file=sys.stderr)

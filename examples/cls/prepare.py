@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lora_core.data import cls_data
 from lora_core.data.nlg import write_jsonl_atomic
+from lora_core.train.run_dir import check_out_dir
 
 from ..run_options import doc_summary
 
@@ -30,23 +31,25 @@ def prepare(data_dir: Path, vocab: Path, out_dir: Path, max_len: int = 128) -> d
         raise ValueError(f"--max-len {max_len}: a sentence takes at least 2 tokens ([CLS] and [SEP])")
     tok = cls_data.wordpiece_tokenizer(vocab)
     rows = {s: cls_data.read_tsv(data_dir / f"{s}.tsv", labelled) for s, labelled in SPLITS.items()}  # all read first
-    summary = {}
-    for split, labelled in SPLITS.items():
-        ids, cut = cls_data.encode(tok, [s for s, _ in rows[split]], max_len)
+    summary, records = {}, {}
+    for split, labelled in SPLITS.items():  # all encoded (and checked) before any file is written
+        ids, cut = cls_data.encode(tok, [s for s, _ in rows[split]], max_len, source=data_dir / f"{split}.tsv")
         if labelled:
-            records = [{"ids": i, "label": lab} for i, (_, lab) in zip(ids, rows[split])]
+            records[split] = [{"ids": i, "label": lab} for i, (_, lab) in zip(ids, rows[split])]
         else:
-            records = [{"index": index, "ids": i} for i, (_, index) in zip(ids, rows[split])]
-        write_jsonl_atomic(out_dir / f"{split}.jsonl", records)
+            records[split] = [{"index": index, "ids": i} for i, (_, index) in zip(ids, rows[split])]
         summary[split] = {"n": len(ids), "cut": cut, "max_tokens": max(map(len, ids), default=0)}
+    for split, recs in records.items():
+        write_jsonl_atomic(out_dir / f"{split}.jsonl", recs)
     return summary
 
 
 def read_prepared(path: Path, with_index: bool = False):
     """``(ids, labels)`` of a prepared split (labels None for test); ``with_index``: also the
-    test split's GLUE indices (``None`` for a labelled split; older files without them: 0..n-1).
-    A line that is not such a record raises ``cls_data.DataError`` naming the file and line."""
-    ids, labels, indices, seen = [], [], [], {}
+    test split's GLUE indices (``None`` for a labelled split; older files without them: 0..n-1;
+    ``"index"`` on every line or on none). A line that is not such a record raises
+    ``cls_data.DataError`` naming the file and line."""
+    ids, labels, indices, seen, indexed = [], [], [], {}, False
     with open(path, "rb") as f:
         for no, raw in enumerate(f, start=1):
             try:
@@ -67,6 +70,10 @@ def read_prepared(path: Path, with_index: bool = False):
                     raise cls_data.DataError(f"{path}:{no}: label {r['label']!r} is not 0 or 1")
                 labels.append(r["label"])
             else:
+                if no == 1:
+                    indexed = "index" in r
+                elif ("index" in r) != indexed:  # a line without it would get its line number, silently
+                    raise cls_data.DataError(f"{path}:{no}: 'index' present on some lines and not on others")
                 index = r.get("index", no - 1)
                 if type(index) is not int or index < 0:
                     raise cls_data.DataError(f"{path}:{no}: index {index!r} is not a whole number")
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=128)
     args = ap.parse_args(argv)
     try:
+        check_out_dir(args.out_dir, resume=True)  # before any work; resume: no run here, old files may stay
         summary = prepare(args.data_dir, args.vocab, args.out_dir, args.max_len)
     except (ValueError, OSError) as e:  # DataError is a ValueError; a missing file or a folder an OSError
         print(f"error: {e}", file=sys.stderr)

@@ -55,6 +55,8 @@ def read_tsv(path: str | os.PathLike, labelled: bool = True) -> list[tuple[str, 
             out.append((sentence.strip(), int(index)))
         if not out[-1][0]:  # it would encode to [CLS] [SEP] alone, and train (or be judged) as a sentence
             raise DataError(f"{path}:{no}: empty sentence")
+    if not out:  # it would prepare an empty split: nothing to train on, judge or predict
+        raise DataError(f"{path}: no sentence after the header")
     if not labelled:
         seen: dict[int, int] = {}
         for no, (_, index) in enumerate(out, start=2):
@@ -90,15 +92,26 @@ def wordpiece_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True):
     return tok
 
 
-def encode(tokenizer, sentences: list[str], max_len: int = 128) -> tuple[list[list[int]], int]:
+def encode(
+    tokenizer, sentences: list[str], max_len: int = 128, source: str | os.PathLike | None = None
+) -> tuple[list[list[int]], int]:
     """Token ids per sentence, cut to ``max_len`` (keeping ``[SEP]`` last), and how many were cut.
-    ``max_len`` must hold ``[CLS]`` and ``[SEP]`` (>= 2)."""
+    ``max_len`` must hold ``[CLS]`` and ``[SEP]`` (>= 2). A sentence that encodes to no token
+    between them (only characters the tokenizer drops: a zero-width space, control characters)
+    raises ``DataError``; ``source``: the TSV the sentences were read from (``read_tsv``:
+    sentence ``i`` on line ``i + 2``), named with the line."""
     if max_len < 2:
         raise ValueError(f"max_len={max_len}: a sequence holds at least [CLS] and [SEP] (2 tokens)")
     ids, cut = [], 0
     sep = tokenizer.token_to_id("[SEP]")
-    for enc in tokenizer.encode_batch(sentences):
+    for i, enc in enumerate(tokenizer.encode_batch(sentences)):
         seq = enc.ids
+        if len(seq) <= 2:  # [CLS] [SEP] alone: it would train (or be judged) as a sentence
+            where = f"{source}:{i + 2}" if source is not None else f"sentence {i + 1}"
+            raise DataError(
+                f"{where}: no token between [CLS] and [SEP] (the sentence {sentences[i][:40]!r} "
+                "holds only characters the tokenizer drops)"
+            )
         if len(seq) > max_len:
             seq, cut = seq[: max_len - 1] + [sep], cut + 1
         ids.append(seq)
