@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, to_numpy
+from helpers import assert_close, tiny_hf_lm, to_numpy
 
 import lora_core as lc
 from lora_core.formats.tensor_files import CheckpointError
@@ -175,6 +175,45 @@ def test_prefixed_peft_patterns_survive_our_format(backend, tmp_path, lora_kw):
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "back").eval()
     assert_close("ours -> peft format -> peft", to_numpy(theirs(torch.from_numpy(ids)).logits.detach()), ref, 1e-5,
                  floor=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("lora_kw", [dict(target_modules=("c_attn",), alpha_pattern={r"^h\.1\.attn\.c_attn": 32.0}),
+                                     dict(target_modules=("c_attn",), rank_pattern={r"^h\.0\.attn\.c_attn": 2}),
+                                     dict(target_modules=r"^h\.1\.(attn\.c_attn|mlp\.c_(fc|proj))",
+                                          rank_pattern={r"\Ah\.1\.mlp\.c_fc": 2}),
+                                     dict(target_modules=("c_attn", "c_fc"), rank_pattern={r"^h\.0\..*": 3},
+                                          fused_slices={r"^h\.1\.attn\.c_attn": (True, False, True)})],
+                         ids=["anchored-alpha", "anchored-rank", "anchored-regex-target", "anchored-and-sliced"])  # fmt: skip
+def test_our_anchored_patterns_mean_the_same_in_peft(tmp_path, lora_kw):
+    """Our GPT-2's patterns name ``h.1.attn.c_attn``, peft's model ``transformer.h.1.attn.c_attn``:
+    an anchored pattern, saved in peft's format, adapts in peft the same modules with the same r
+    and scaling (every module of the loaded PeftModel compared), and peft's logits are ours."""
+    bt = lc.get_backend("torch")
+    torch.manual_seed(0)
+    hf = tiny_hf_lm("gpt2").eval()
+    hf.save_pretrained(tmp_path / "base")
+    ours = bt.from_pretrained(tmp_path / "base")
+    bt.inject_lora(ours, LoRATargetConfig(r=4, alpha=8.0, **lora_kw))
+    _randomize(ours)
+    ids = _ids()
+    want = _logits(bt, ours, ids)
+    bt.save_lora_adapter(ours, tmp_path / "peft", format="peft")
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "peft").eval()
+    inner, adapted = theirs.base_model.model.transformer, 0
+    for name, mod in ours.named_modules():
+        if not name or "lora_" in name:  # (our LoRA layers' own dropout modules)
+            continue
+        peft_mod = inner.get_submodule(name)
+        lora_a = getattr(mod, "lora_A", None)
+        is_lora = isinstance(peft_mod, peft.tuners.lora.LoraLayer)
+        assert is_lora == isinstance(lora_a, torch.nn.Parameter), name
+        if is_lora:
+            adapted += 1
+            assert peft_mod.r["default"] == lora_a.shape[0], name
+            assert peft_mod.scaling["default"] == pytest.approx(mod.scaling, rel=1e-12), name
+    assert adapted == sum(n.endswith(".lora_A") for n in bt.trainable_parameters(ours))
+    got = to_numpy(theirs(torch.from_numpy(ids)).logits.detach())
+    assert_close("ours (anchored patterns) -> peft format -> peft", got, want, 1e-5)
 
 
 def _grads(backend, model, ids):

@@ -152,6 +152,50 @@ def test_fields_left_out_or_not_in_the_type_read_as_transformers_reads_them(mt):
     assert _params(arch_of(ours), PlanConfig(method="full"))[0] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("mt", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("given", [{}, {"num_attention_heads": 64}, {"num_key_value_heads": None}],
+                         ids=["all-left-out", "64-heads", "null-kv-heads"])  # fmt: skip
+def test_token_ids_and_kv_heads_left_out_read_as_transformers_reads_them(tmp_path, mt, given):
+    """A config.json without bos/eos_token_id and num_key_value_heads: transformers' values for its
+    model type (Qwen2: no bos/eos, 32 key/value heads whatever num_attention_heads; Llama:
+    num_attention_heads; Mistral: 8; a null: num_attention_heads), and through ``to_hf_dict``
+    the same again (a Qwen2 config gains no eos 2). With no eos named, a tokenizer's own is
+    accepted."""
+    from lora_core.data.text import check_tokenizer_fits, model_eos_ids
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[mt]
+    if mt == "mistral" and given.get("num_key_value_heads", 0) is None:
+        pytest.skip("transformers' MistralConfig refuses a null num_key_value_heads")
+    d = {"model_type": mt, "vocab_size": 96, "hidden_size": 256, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 32, **given}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ref = cls(**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
+    ours = spec.LlamaConfig.from_hf_json(tmp_path / "config.json")
+    for k in ("bos_token_id", "eos_token_id", "num_key_value_heads", "num_attention_heads"):
+        assert getattr(ours, k) == ref[k], k
+    if mt == "qwen2":
+        assert (ours.bos_token_id, ours.eos_token_id, ours.num_key_value_heads) == (None, None, 32)
+    back = ours.to_hf_dict()
+    assert {k: back[k] for k in ("bos_token_id", "eos_token_id")} == {k: ref[k] for k in ("bos_token_id", "eos_token_id")}
+    again = cls(**{k: v for k, v in back.items() if k not in ("model_type", "architectures", "torch_dtype")})
+    assert (again.bos_token_id, again.eos_token_id, again.num_key_value_heads) == \
+        (ref["bos_token_id"], ref["eos_token_id"], ref["num_key_value_heads"])  # fmt: skip
+    assert spec.LlamaConfig.from_hf_dict(back) == ours
+    if ours.eos_token_id is None:
+        assert model_eos_ids(ours) is None
+        check_tokenizer_fits(96, 96, eos_id=95, model_eos=model_eos_ids(ours))  # accepted
+    else:
+        with pytest.raises(ValueError, match="names eos_token_id 2"):
+            check_tokenizer_fits(96, 96, eos_id=95, model_eos=model_eos_ids(ours))
+
+
+def test_left_out_kv_heads_that_do_not_divide_the_heads_are_named():
+    d = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match="num_key_value_heads is not set, and transformers' Qwen2Config then takes 32"):
+        spec.LlamaConfig.from_hf_dict(d)
+    assert spec.LlamaConfig.from_hf_dict({**d, "num_key_value_heads": None}).num_key_value_heads == 4
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_logits_match_transformers(backend, checkpoints, kind):
     hf, d = checkpoints[kind]

@@ -3,6 +3,8 @@ the peft config reader's refusals, and the numpy reference of the Conv1D form.""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -269,3 +271,70 @@ def test_overlapping_patterns_keep_their_order_on_disk(fmt, tmp_path):
     assert m2.model.layers[0].self_attn.q_proj.lora_A.shape[0] == 4
     with torch.no_grad():
         np.testing.assert_allclose(m2(ids)[0].numpy(), ref_logits.numpy(), rtol=0, atol=1e-6)
+
+
+# GPT-2's module names here (ours) and in transformers' GPT2LMHeadModel (peft's): "transformer." + ours
+_GPT2 = {**{f"h.{i}.{m}": ("conv1d", 8, 24 if m == "attn.c_attn" else 8) for i in range(3)
+            for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")},
+         "wte": ("embedding", 50, 8), "wpe": ("embedding", 16, 8), "h.0": "Block", "h.1.attn": "Attention"}  # fmt: skip
+
+
+def _peft_rule(meta: dict, names) -> dict:
+    """What peft 0.x makes of ``meta`` on its full names (its own matching functions): module ->
+    (r, alpha) of every targeted one."""
+    other = pytest.importorskip("peft.utils.other")
+    out = {}
+    for n in names:
+        targets, exclude = meta["target_modules"], meta["exclude_modules"] or ()
+        hit = other.match_target_against_key(targets, n) if isinstance(targets, str) else (
+            n in targets or any(n.endswith("." + t) for t in targets))  # fmt: skip
+        if exclude and (re.fullmatch(exclude, n) if isinstance(exclude, str) else
+                        n in exclude or any(n.endswith("." + e) for e in exclude)):  # fmt: skip
+            hit = False
+        if hit:
+            r_key = other.get_pattern_key(meta["rank_pattern"].keys(), n)
+            a_key = other.get_pattern_key(meta["alpha_pattern"].keys(), n)
+            out[n] = (meta["rank_pattern"].get(r_key, meta["r"]), meta["alpha_pattern"].get(a_key, meta["lora_alpha"]))
+    return out
+
+
+@pytest.mark.parametrize("kw", [
+    dict(target_modules=("c_attn",), alpha_pattern={r"^h\.1\.attn\.c_attn": 32.0}),
+    dict(target_modules=("c_attn",), rank_pattern={r"^h\.0\.attn\.c_attn": 2}),
+    dict(target_modules=r"^h\.1\.(attn|mlp)\..*"),
+    dict(target_modules=r"(?i)\AH\.[01]\.(attn|mlp)\.c_(attn|fc)", exclude_modules=r"^h\.0\.mlp\..*",
+         rank_pattern={r"[^.]\.0\.attn\.c_attn|\Ah\.1\.mlp\.c_fc": 2, "c_fc": 3}, alpha_pattern={"h.1.attn.c_attn": 5.0}),
+    dict(target_modules=("c_attn", "mlp.c_proj", "wte"), rank_pattern={r"h\.\d\.mlp\.c_proj$": 2, "wte": 3},
+         alpha_pattern={r"h\.[01]\..*c_attn|wte": 7.0}, fused_slices={r"^h\.2\.attn\.c_attn": (True, False, True)}),
+], ids=["anchored-alpha", "anchored-rank", "anchored-regex-target", "mixed", "unanchored-and-sliced"])  # fmt: skip
+def test_patterns_saved_for_peft_select_the_same_modules_under_its_prefix(kw):
+    """Our GPT-2's patterns are matched on ``h.0.attn.c_attn``, peft's on
+    ``transformer.h.0.attn.c_attn``: written for peft, each module is targeted or not, and gets
+    r and alpha, as here (peft's own matching functions on every module name); read back with
+    the prefix, the same plans."""
+    cfg = LoRATargetConfig(r=4, alpha=8.0, **kw)
+    plans = plan_injection(_GPT2, cfg)
+    meta = config_to_peft(cfg, plans, "transformer.")
+    got = _peft_rule(meta, ["transformer." + n for n in _GPT2])
+    want = {"transformer." + n: (p.r * (1 if p.enable is None else sum(p.enable)),
+                                 p.alpha if p.enable is None else p.scaling * p.r * sum(p.enable))
+            for n, p in plans.items()}  # fmt: skip
+    assert got == want
+    back = plan_injection(_GPT2, config_from_peft(meta, "adapter_config.json"), match_prefix="transformer.")
+    assert {n: (p.r * (1 if p.enable is None else sum(p.enable)), p.scaling) for n, p in back.items()} == \
+        {n: (p.r * (1 if p.enable is None else sum(p.enable)), p.scaling) for n, p in plans.items()}  # fmt: skip
+    assert config_to_peft(cfg, plans)["rank_pattern"] == {**cfg.rank_pattern, **{
+        re.escape(n): p.r * sum(p.enable) for n, p in plans.items() if p.enable}}  # no prefix: as they are  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", [dict(alpha_pattern={r"(?<!\.)h\.1\.attn\.c_attn": 4.0}),
+                                dict(rank_pattern={r"(h)\.1\.attn\.c_attn(?!\1)": 2}),
+                                dict(target_modules=r"(?x) h \. 1 \. attn \. c_attn"),
+                                dict(target_modules=r"(?#[)^h\.1\.attn\.c_attn")],
+                         ids=["lookbehind", "backreference", "verbose", "comment"])  # fmt: skip
+def test_patterns_peft_would_read_otherwise_are_refused_by_name(kw):
+    cfg = LoRATargetConfig(r=4, alpha=8.0, **{"target_modules": ("c_attn",), **kw})
+    plans = plan_injection(_GPT2, cfg)
+    (pattern,) = (kw.get("alpha_pattern") or kw.get("rank_pattern") or {kw["target_modules"]: 0}).keys()
+    with pytest.raises(ValueError, match=re.escape(repr(pattern))):
+        config_to_peft(cfg, plans, "transformer.")

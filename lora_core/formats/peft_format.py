@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from ..lora.targeting import LayerPlan, LoRATargetConfig
+from ..lora.targeting import LayerPlan, LoRATargetConfig, matches_target, pattern_key
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the wrapped model)
@@ -141,23 +141,38 @@ def config_to_peft(
     """``adapter_config.json`` for ``peft.PeftModel.from_pretrained``.
 
     ``fan_in_fan_out`` is True when a Conv1D layer is adapted (what peft sets for GPT-2).
-    Regex targets name full module paths, so the prefix is added to them. A per-slice fused
-    layer (GPT-2's q, v ``c_attn``) has no peft layer; it is written exactly as one matrix of
-    rank ``k*r`` (``sliced_as_whole``) with its own ``rank_pattern`` / ``alpha_pattern`` entry
-    keeping the scaling."""
-    targets, exclude = _for_peft(cfg.target_modules, module_prefix), _for_peft(cfg.exclude_modules, module_prefix)
-    rank_pattern, alpha_pattern = dict(cfg.rank_pattern), dict(cfg.alpha_pattern)
+    ``module_prefix``: the prefix peft's module names have and those our patterns were matched
+    against lack (``"transformer."`` for our GPT-2; ``""`` when they are the same). peft matches
+    every pattern against its full names, so each pattern is rewritten to select under peft's
+    rules, on ``module_prefix + name``, exactly the modules it selects here on ``name``
+    (``_target_for_peft``, ``_key_for_peft``); one that cannot be rewritten faithfully (a
+    lookbehind, a numbered backreference, verbose mode, a comment group) is refused with a ValueError naming it.
+    A per-slice fused layer (GPT-2's q, v ``c_attn``) has no peft layer; it is written exactly
+    as one matrix of rank ``k*r`` (``sliced_as_whole``) with its own ``rank_pattern`` /
+    ``alpha_pattern`` entry keeping the scaling."""
+    targets = _for_peft(cfg.target_modules, module_prefix, "target_modules")
+    exclude = _for_peft(cfg.exclude_modules, module_prefix, "exclude_modules")
+    rank_pattern = {_key_for_peft(p, module_prefix, "rank_pattern"): v for p, v in cfg.rank_pattern.items()}
+    alpha_pattern = {_key_for_peft(p, module_prefix, "alpha_pattern"): v for p, v in cfg.alpha_pattern.items()}
     for name, plan in plans.items():
         if plan.enable is None:
             continue
-        clash = [p for p in (*rank_pattern, *alpha_pattern) if re.match(rf"(.*\.)?({p})$", name)]
+        # the module's own entries come after the user's and peft takes the first that matches:
+        # no user pattern may match it (checked on our names, as plan_injection matched them)
+        clash = [p for p in (*cfg.rank_pattern, *cfg.alpha_pattern) if pattern_key((p,), name)]
         if clash:
             raise ValueError(
                 f"{name}: per-slice LoRA and rank/alpha patterns {clash} on the same module have no peft form"
             )
+        key = re.escape(module_prefix + name)
+        others = [n for n in plans if n != name and pattern_key((key,), module_prefix + n)]
+        if others:
+            raise ValueError(f"{name}: its peft rank/alpha entry {key!r} would also select {others}")
         r_whole = plan.r * sum(plan.enable)
-        rank_pattern[re.escape(name)] = r_whole
-        alpha_pattern[re.escape(name)] = plan.scaling * (math.sqrt(r_whole) if cfg.use_rslora else r_whole)
+        rank_pattern[key] = r_whole
+        alpha_pattern[key] = plan.scaling * (math.sqrt(r_whole) if cfg.use_rslora else r_whole)
+    if module_prefix:
+        _check_same_plans(plans, module_prefix, targets, exclude or (), rank_pattern, alpha_pattern, cfg)
     return {
         "peft_type": "LORA",
         "r": cfg.r,
@@ -179,6 +194,24 @@ def config_to_peft(
         "base_model_name_or_path": base_model_name_or_path,
         "task_type": task_type,
     }
+
+
+def _check_same_plans(plans, prefix, targets, exclude, rank_pattern, alpha_pattern, cfg: LoRATargetConfig) -> None:
+    """Guard of the rewrite: under peft's rules, on peft's names, every adapted module is targeted,
+    not excluded, and gets the r and alpha (hence the scaling) it has here."""
+    bad = []
+    for name, plan in plans.items():
+        full = prefix + name
+        r_key, a_key = pattern_key(rank_pattern, full), pattern_key(alpha_pattern, full)
+        r = rank_pattern[r_key] if r_key is not None else cfg.r
+        alpha = alpha_pattern[a_key] if a_key is not None else cfg.alpha
+        scaling = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
+        r_here = plan.r * (1 if plan.enable is None else sum(plan.enable))
+        if (not matches_target(full, targets) or (exclude and matches_target(full, exclude))
+                or r != r_here or not math.isclose(scaling, plan.scaling, rel_tol=1e-12)):  # fmt: skip
+            bad.append(name)
+    if bad:
+        raise ValueError(f"the patterns written for peft would not adapt {bad} as here (lora_core bug: please report)")
 
 
 def sliced_as_whole(plan: LayerPlan, B: np.ndarray) -> np.ndarray:
@@ -218,11 +251,112 @@ def peft_key(name: str, plans: dict[str, LayerPlan], module_prefix: str = "") ->
     return KEY_PREFIX + module_prefix + name
 
 
-def _for_peft(patterns: tuple[str, ...] | str, module_prefix: str):
-    """Names / suffixes as a sorted list; a regex (full names) with the module prefix added."""
+def _for_peft(patterns: tuple[str, ...] | str, module_prefix: str, what: str):
+    """``target_modules`` / ``exclude_modules`` for peft: names / suffixes as a sorted list (a
+    name or dotted suffix of ours is one of peft's full name: the same modules), a regex
+    rewritten by ``_target_for_peft``."""
     if isinstance(patterns, str):
-        return f"{re.escape(module_prefix)}(?:{patterns})" if module_prefix else patterns
+        return _target_for_peft(patterns, module_prefix, what)
     return sorted(patterns)
+
+
+# peft 0.x matching, on its full module names ("transformer.h.0.attn.c_attn"):
+# - target_modules / exclude_modules as a str, ``peft.utils.other.match_target_against_key``:
+#       return re.fullmatch(target_pattern, key)
+# - rank_pattern / alpha_pattern keys, ``peft.utils.other.get_pattern_key`` (first key that matches wins):
+#       for key in pattern_keys:
+#           match = re.match(rf"(.*\.)?({key})$", key_to_match)
+# Ours (``lora_core.lora.targeting``) are the same on our names ("h.0.attn.c_attn"). For a prefix P
+# a pattern is rewritten so that, on P + name, it matches iff the original matches name:
+# - a regex target t: ``P(?:t')``, a key k: ``^P(?:.*\.)?(?:k')`` (the ``^`` forces peft's ``(.*\.)?``
+#   to be empty, so the optional dotted head is matched inside our name only, as here);
+# - t', k': each ``^`` / ``\A`` (start of our name) becomes ``(?<=^P)``, true exactly where our name
+#   starts in P + name. ``$``, ``\Z``, ``\b``, ``\B`` mean the same at both (P ends with ".").
+# Group numbers stay (the added groups are non-capturing, peft's own two groups are ours too).
+# A lookbehind could see P, a numbered backreference could name peft's groups where ours are not
+# (the pattern's own groups keep their numbers), verbose mode and comments change what ``^`` and
+# ``[`` are: refused. A plain dotted name that cannot start inside P is kept as it is (it
+# already selects the same modules).
+_LEADING_FLAGS = re.compile(r"\(\?[aiLmsux]+\)")
+_PLAIN_NAME = re.compile(r"(?:[\w-]|\\\.)+")
+
+
+def _target_for_peft(p: str, prefix: str, what: str) -> str:
+    if not prefix:
+        return p
+    flags, body = _split_flags(p, what)
+    return f"{flags}{re.escape(prefix)}(?:{_anchor_at(body, prefix, p, what)})"
+
+
+def _key_for_peft(p: str, prefix: str, what: str) -> str:
+    if not prefix:
+        return p
+    if _PLAIN_NAME.fullmatch(p):
+        name = p.replace("\\.", ".")
+        heads = [prefix[i + 1 :] for i, c in enumerate(prefix) if c == "."] + [prefix]
+        if not any(h and name.startswith(h) for h in heads):
+            return p
+    flags, body = _split_flags(p, what)
+    return f"{flags}^{re.escape(prefix)}(?:.*\\.)?(?:{_anchor_at(body, prefix, p, what)})"
+
+
+def _split_flags(p: str, what: str) -> tuple[str, str]:
+    """Leading global flags (``(?i)``: Python wants them first) and the rest."""
+    flags = ""
+    while m := _LEADING_FLAGS.match(p, len(flags)):
+        flags = p[: m.end()]
+    if "x" in flags:
+        raise _unfaithful(what, p, "verbose mode")
+    return flags, p[len(flags) :]
+
+
+def _anchor_at(body: str, prefix: str, p: str, what: str) -> str:
+    """``body`` with each start anchor (``^``, ``\\A`` outside a character class) meaning the start
+    of our name inside ``prefix + name``."""
+    start = f"(?<=^{re.escape(prefix)})"
+    if not prefix.endswith("."):
+        raise _unfaithful(what, p, f"module prefix {prefix!r} does not end with '.'")
+    out, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            nxt = body[i + 1 : i + 2]
+            if nxt == "A":
+                out.append(start)
+            elif nxt and nxt in "123456789":
+                raise _unfaithful(what, p, "a numbered backreference")
+            else:
+                out.append(body[i : i + 2])
+            i += 2
+        elif c == "[":  # a character class, copied: "^" / "]" first in it are no anchor / no end
+            j = i + 1
+            j += body[j : j + 1] == "^"
+            j += body[j : j + 1] == "]"
+            while j < len(body) and body[j] != "]":
+                j += 2 if body[j] == "\\" else 1
+            out.append(body[i : j + 1])
+            i = j + 1
+        elif c == "^":
+            out.append(start)
+            i += 1
+        else:
+            if body.startswith(("(?<=", "(?<!"), i):
+                raise _unfaithful(what, p, "a lookbehind")
+            if body.startswith("(?#", i):
+                raise _unfaithful(what, p, "a comment group")
+            m = re.compile(r"\(\?[aiLmsux-]+[:)]").match(body, i)
+            if m and "x" in m.group():
+                raise _unfaithful(what, p, "verbose mode")
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _unfaithful(what: str, p: str, why: str) -> ValueError:
+    return ValueError(
+        f"{what} pattern {p!r} ({why}) cannot be rewritten for peft's full module names so that it "
+        f"selects the same modules: not saved in peft's format (the lora_core format keeps it)"
+    )
 
 
 def _is_set(v) -> bool:

@@ -38,15 +38,20 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
 
 
 # What transformers (5.24) takes for a field a config.json leaves out, per model type (its config
-# classes' defaults, which differ between the three)
+# classes' defaults, which differ between the three). ``num_key_value_heads``: Llama's default is
+# None, Mistral's 8, Qwen2's 32 (not num_attention_heads); an explicit null means
+# num_attention_heads in all three (their ``__post_init__``). ``bos_token_id`` / ``eos_token_id``:
+# Llama's and Mistral's 1 / 2, Qwen2's None / None (a Qwen2 config.json names them or names none).
 HF_DEFAULTS = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6),
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2),
     "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                    sliding_window=4096),
+                    sliding_window=4096, bos_token_id=1, eos_token_id=2),
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=4096),
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  sliding_window=4096, bos_token_id=None, eos_token_id=None),
 }  # fmt: skip
 
 
@@ -58,6 +63,14 @@ class LlamaConfig:
     ``None`` or the ``llama3`` parameters (``factor``, ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``); ``qkv_bias`` / ``o_bias`` /
     ``mlp_bias`` say which projections have biases (Qwen2: q, k, v).
+
+    ``bos_token_id`` / ``eos_token_id`` (an int, a list of ints, or None): built directly, the
+    defaults are Llama's 1 / 2; read from a ``config.json`` (``from_hf_dict``), a key left out
+    takes the default of transformers' config class of the model type (Qwen2: None). A None
+    ``eos_token_id`` means the config names no end-of-text token: nothing checks a tokenizer's
+    end-of-text id against it (``lora_core.data.text.model_eos_ids`` is None, and
+    ``check_tokenizer_fits`` then accepts the tokenizer's own, which generation stops at), and
+    ``to_hf_dict`` writes it as null, as transformers does.
     """
 
     model_type: str = "llama"
@@ -158,6 +171,7 @@ class LlamaConfig:
         scaling = None
         if rope_type == "llama3":
             scaling = {k: rope[k] for k in _LLAMA3_KEYS if k in rope}
+        kv_given = "num_key_value_heads" in d
         d = {**HF_DEFAULTS[mt], **d}
         window = None
         if mt == "mistral":
@@ -188,7 +202,13 @@ class LlamaConfig:
                   "pad_token_id"):
             if k in d:
                 fields[k] = d[k]
+        # an explicit null: num_attention_heads (transformers' __post_init__); left out: the type's default
         fields["num_key_value_heads"] = d.get("num_key_value_heads") or fields["num_attention_heads"]
+        if not kv_given and isinstance(fields["num_attention_heads"], int) and \
+                fields["num_attention_heads"] % fields["num_key_value_heads"]:  # fmt: skip
+            raise ValueError(f"{where}: num_key_value_heads is not set, and transformers' {_ARCHITECTURES[mt][:-11]}"
+                             f"Config then takes {fields['num_key_value_heads']}, which does not divide "
+                             f"num_attention_heads={fields['num_attention_heads']}: set num_key_value_heads")
         return cls(**fields)
 
     @classmethod
