@@ -20,7 +20,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["lora_core*", "backends*", "eval*", "examples*"]),
-    package_data={"backends.jittor": ["jit_cc.sh"]},  # jittor's kernel compile command (backends/jittor/_env.py)
+    package_data={"backends.jittor": ["jit_cc.sh", "pch/jt_kernel.h"]},  # jittor's kernel compile command and its precompiled headers (backends/jittor/_env.py)
     install_requires=["numpy>=1.22", "safetensors>=0.4", "tokenizers>=0.15"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["lora-eval = eval.cli:main", "lora-plan = lora_core.plan.cli:main"]},
