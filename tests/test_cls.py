@@ -296,6 +296,27 @@ def test_evaluate_refuses_a_split_that_is_a_folder(tmp_path):
         evaluate.read_splits(tmp_path, cfg)
 
 
+def test_evaluate_removes_an_earlier_runs_predictions_of_a_split_it_does_not_predict(tmp_path, monkeypatch, capsys):
+    """--out then holds this run's predictions only, as its metrics.json says."""
+    import json
+    import types
+
+    from examples.cls import evaluate
+
+    prepared, out = tmp_path / "prepared", tmp_path / "out"
+    prepared.mkdir()
+    out.mkdir()
+    (prepared / "test.jsonl").write_text(json.dumps({"ids": [101, 5, 102], "index": 3}) + "\n")
+    (out / "dev_predictions.tsv").write_text("index\tprediction\n0\t1\n")
+    (out / "notes.txt").write_text("kept")
+    monkeypatch.setattr(evaluate, "predict", lambda bk, model, ids: [1] * len(ids))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=32, vocab_size=200))
+    metrics = evaluate.write_predictions(None, model, prepared, out, {})
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "notes.txt", "test_predictions.tsv"]
+    assert "dev_accuracy" not in metrics and "removed" in capsys.readouterr().err
+    assert (out / "test_predictions.tsv").read_text() == "index\tprediction\n3\t1\n"
+
+
 def test_cls_out_options_that_are_files_are_refused_before_any_work(shared_dir, tmp_path, capsys):
     """prepare's --out-dir and evaluate's --out naming a file: one line naming the option, before
     any work (the data folder and the base here do not exist)."""

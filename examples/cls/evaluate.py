@@ -73,9 +73,17 @@ def read_splits(prepared: Path, model_config) -> dict:
 def write_predictions(bk, model, prepared: Path, out: Path, metrics: dict, splits: dict | None = None) -> dict:
     """Predict the ``dev`` and ``test`` splits found in ``prepared`` (``splits``: ``read_splits``'
     result when read already) into ``OUT/{split}_predictions.tsv``; ``metrics`` plus the dev
-    accuracy go to ``OUT/metrics.json``."""
+    accuracy go to ``OUT/metrics.json``. A ``{split}_predictions.tsv`` an earlier run left in
+    ``out`` for a split this folder does not hold is removed (named on stderr): the folder then
+    holds this run's predictions only, matching its ``metrics.json``."""
     metrics = dict(metrics)
-    for path, (ids, labels, indices) in (splits or read_splits(prepared, model.config)).items():
+    splits = splits or read_splits(prepared, model.config)
+    for split in ("dev", "test"):
+        old = out / f"{split}_predictions.tsv"
+        if prepared / f"{split}.jsonl" not in splits and old.is_file():
+            old.unlink()
+            print(f"removed {old}: an earlier run's predictions ({prepared} holds no {split}.jsonl)", file=sys.stderr)
+    for path, (ids, labels, indices) in splits.items():
         split = path.stem
         pred = predict(bk, model, ids)
         rows = "".join(f"{i}\t{p}\n" for i, p in zip(indices or range(len(pred)), pred))  # test: GLUE's indices
