@@ -255,3 +255,15 @@ def test_bench_options_refused_before_any_run(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and words in err, (argv, err)
+
+
+def test_cls_bench_refuses_a_training_split_shorter_than_its_steps(shared_dir, tmp_path):
+    """The steps would otherwise get short or empty batches (a loss over nothing)."""
+    from examples.cls import bench as cls_bench
+
+    (tmp_path / "sst2").mkdir()
+    (tmp_path / "sst2" / "train.tsv").write_text("sentence\tlabel\na fine film\t1\na dull one\t0\n")
+    (tmp_path / "distilbert-vocab").symlink_to(shared_dir / "data" / "distilbert-vocab")
+    with pytest.raises(ValueError, match=r"train.tsv: 2 sentences; the bench's steps take 64 "):
+        cls_bench.batches(tmp_path, 64, 16)
+    assert [len(b["labels"]) for b in cls_bench.batches(tmp_path, 2, 1)] == [1, 1]

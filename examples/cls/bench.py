@@ -70,7 +70,13 @@ def start_weights(shape: str, base: str | None) -> tuple[DistilBertConfig, dict]
 
 
 def batches(data_dir: Path, n: int | None, size: int, split: str = "train") -> list[dict]:
-    rows = cls_data.read_tsv(data_dir / "sst2" / f"{split}.tsv")[:n]
+    """The first ``n`` sentences of the split (all: None) in batches of ``size``; a split with
+    fewer than ``n`` is refused naming it (the steps would get short or empty batches)."""
+    path = data_dir / "sst2" / f"{split}.tsv"
+    rows = cls_data.read_tsv(path)
+    if n is not None and len(rows) < n:
+        raise ValueError(f"{path}: {len(rows)} sentences; the bench's steps take {n} (batch x accumulation x (warmup + steps))")
+    rows = rows[:n]
     tok = cls_data.wordpiece_tokenizer(data_dir / "distilbert-vocab" / "vocab.txt")
     ids, _ = cls_data.encode(tok, [s for s, _ in rows], max_len=128)
     return [cls_data.collate(ids[i : i + size], [lab for _, lab in rows[i : i + size]]) for i in range(0, len(rows), size)]
