@@ -4,7 +4,6 @@ else to jittor's own wrapper; jittor compiles and runs a new kernel through it, 
 compiles to the same code with the precompiled headers as without."""
 
 import os
-import shlex
 import shutil
 import stat
 import subprocess
@@ -114,13 +113,6 @@ def test_a_header_that_does_not_build_is_not_retried_and_the_kernel_compiles_wit
     assert not list(failed.parent.glob("*.gch")) and not list(failed.parent.glob("tmp.*"))
 
 
-def _text(so: Path) -> bytes:
-    """A library's machine code (its .text section)."""
-    out = so.with_suffix(".text")
-    subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(so), str(out)], check=True)
-    return out.read_bytes()
-
-
 def test_kernels_compile_to_the_same_code_with_the_precompiled_headers(tmp_path):
     """jittor's own kernels of this run (a fused element-wise and reduction, a jt.code, a
     matmul, a kernel the tuner rewrites), compiled again by the command jittor recorded for
@@ -130,7 +122,7 @@ def test_kernels_compile_to_the_same_code_with_the_precompiled_headers(tmp_path)
     lc.get_backend("jittor")
     import jittor as jt
 
-    from backends.jittor import _env
+    from backends.jittor import _env, pch_check
 
     if not _env.use_direct_compile():
         pytest.skip("LORA_JITTOR_ASM_TUNER set: jittor's own path")
@@ -153,20 +145,12 @@ def test_kernels_compile_to_the_same_code_with_the_precompiled_headers(tmp_path)
             if (key.name.startswith(prefix) or prefix == "marked") and marker in src and (prefix == "marked") == ("@begin" in src):
                 picked.setdefault(prefix, key)
     assert {"code__", "__opkey0_", "marked"} <= set(picked), sorted(p.name for p in jit.glob("*_op.so.key"))
-    (tmp_path / "jit").mkdir()
     for key in picked.values():
-        args = shlex.split(key.read_text().splitlines()[0])
-        assert Path(args[0]) == _env.JIT_CC
-        i = args.index("-o")
-        texts = []
-        for on in ("0", "1"):
-            so = tmp_path / "jit" / f"{on}{Path(args[i + 1]).name}"
-            r = subprocess.run([*args[:i], "-Winvalid-pch", "-o", str(so), *args[i + 2 :]], env=dict(os.environ, LORA_JITTOR_PCH=on), capture_output=True, text=True)
-            assert r.returncode == 0 and "not used" not in r.stderr, r.stderr[-2000:]
-            texts.append(_text(so))
+        assert Path(pch_check.recorded_command(key)[0]) == _env.JIT_CC
+        texts, _ = pch_check.compile_both_ways(key, tmp_path, ("-Winvalid-pch",))  # raises on a header not used
         assert texts[0] == texts[1], key.name
     # one header per compiler flags (oneDNN's matmul adds its include folder; the tuner -g)
-    assert 1 <= len(list((tmp_path / "lora_pch").glob("*/jt_kernel.h.gch"))) <= len(picked)
+    assert 1 <= len(list((tmp_path / "jit" / "lora_pch").glob("*/jt_kernel.h.gch"))) <= len(picked)
 
 
 def test_without_the_interpreter_variable_it_says_so(tmp_path):
