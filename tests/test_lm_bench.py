@@ -155,7 +155,8 @@ def _bench(tmp_path, name: str, *args: str, timeout: int = 900) -> tuple[subproc
 
 
 def test_lm_bench_zero_rows_match_one_process(tmp_path):
-    """ZeRO rows (``-z2``, ``-z3``): 2 processes of 1 row each (torchrun: ours-torch on FSDP2 and
+    """ZeRO rows (``-z2``, ``-z3``) and a data-parallel row (``-dp``: transformers + peft in DDP):
+    2 processes of 1 row each (torchrun: ours-torch on FSDP2 and
     transformers + peft on FSDP2; mpirun: ours-jittor's sharded AdamW) train on the rows that one
     process gets at ``--batch 2``, so their loss curves (before and after an update) equal the
     one-process rows' within 1e-6; tokens/s counts both ranks' rows, memory is per rank, the
@@ -166,7 +167,7 @@ def test_lm_bench_zero_rows_match_one_process(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]  # jittor's full-z3 row failed, as it must
     assert "errors: full-z3 ours-jittor: worker exited with 1: ValueError: --zero 3" in proc.stdout, proc.stdout
     assert "ZeRO rows: 2 processes of 1 row(s) each" in proc.stdout, proc.stdout
-    proc_hf, zero_hf = _bench(tmp_path, "zero-hf", "--batch", "1", "--systems", "hf-peft", "--methods", "full-z3")
+    proc_hf, zero_hf = _bench(tmp_path, "zero-hf", "--batch", "1", "--systems", "hf-peft", "--methods", "full-z3,full-dp")
     assert proc_hf.returncode == 0, proc_hf.stdout + proc_hf.stderr[-3000:]
     one = {}
     for name, systems, method in (("one-lora", "ours-torch,ours-jittor", "lora-gc"), ("one-full", "ours-torch,hf-peft", "full")):
@@ -175,7 +176,7 @@ def test_lm_bench_zero_rows_match_one_process(tmp_path):
         one.update(ref["raw"])
     raw = {**zero["raw"], **zero_hf["raw"]}
     pairs = [(f"{s} lora-z2-gc", f"{s} lora-gc") for s in ("ours-torch", "ours-jittor")]
-    pairs += [(f"{s} full-z3", f"{s} full") for s in ("ours-torch", "hf-peft")]
+    pairs += [(f"{s} full-z3", f"{s} full") for s in ("ours-torch", "hf-peft")] + [("hf-peft full-dp", "hf-peft full")]
     for key, ref in pairs:
         (run,), (run1,) = raw[key], one[ref]
         assert run.get("ranks") == 2 and len(run["per_rank"]) == 2, (key, run.get("error"), proc.stdout[-3000:])
@@ -184,7 +185,7 @@ def test_lm_bench_zero_rows_match_one_process(tmp_path):
         assert run["train_tok_s"] > 0 and all(r["train_peak_anon_mb"] > 0 for r in run["per_rank"]), key
     rows = {(r["method"], r["system"]): r for r in zero["summary"]["methods"] + zero_hf["summary"]["methods"]}
     assert set(rows) == {("lora-z2-gc", "ours-torch"), ("lora-z2-gc", "ours-jittor"), ("full-z3", "ours-torch"),
-                         ("full-z3", "ours-jittor"), ("full-z3", "hf-peft")}, rows  # fmt: skip
+                         ("full-z3", "ours-jittor"), ("full-z3", "hf-peft"), ("full-dp", "hf-peft")}, rows  # fmt: skip
     assert rows[("full-z3", "ours-jittor")]["tok_s"] is None
     assert all(r["predicted_mb"] > 0 for k, r in rows.items() if k != ("full-z3", "ours-jittor")), rows
 

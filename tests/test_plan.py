@@ -308,6 +308,22 @@ def test_data_parallel_without_zero_counts_ddps_buckets(capsys):
     assert "(data parallel over 2 ranks without ZeRO: DDP's gradient buckets as views of the gradients" in out
 
 
+def test_bench_data_parallel_rows_are_planned_over_the_ranks():
+    """The methods bench's ``-dp`` rows (DDP over ``--ranks`` without sharding) are planned as a
+    data-parallel run of that many ranks; the ``-z`` rows as ZeRO; the rest as one process."""
+    from lora_core.plan.memory import BENCH_METHODS, bench_method, bench_plan, bench_ranked
+
+    assert bench_method("qlora-dp-gc") == ("qlora", 0, True) and bench_ranked("qlora-dp-gc")
+    assert bench_ranked("full-z2") and not bench_ranked("lora-gc") and len(BENCH_METHODS) == 24
+    with pytest.raises(ValueError, match="unknown bench method 'lora-dp-z2'"):
+        bench_ranked("lora-dp-z2")
+    for system in ("ours-torch", "hf-peft"):
+        one = bench_plan("llama-bench", None, 2, 256, system, "full")
+        dp = bench_plan("llama-bench", None, 2, 256, system, "full-dp", ranks=2)
+        want = plan(PRESETS["llama-bench"], PlanConfig(method="full", targets=(), batch=2, seq=256, system=system, ranks=2))
+        assert dp.peak == pytest.approx(want.peak) and dp.gradients > one.gradients
+
+
 def test_overhead_is_the_measured_baseline_and_load():
     s = SYSTEMS["ours-torch"]
     assert plan(TINY, PlanConfig(method="lora", allocator="glibc")).overhead == s.base_mb + s.load_mb
@@ -877,7 +893,7 @@ def _first(d: dict) -> str:
      "raw[{key!r}][0].allocator: 'jemalloc' is not one of glibc, tcmalloc"),
     (_TINY_FILE, lambda d: d["raw"].update({"ours-torch lora-z5": d["raw"][_first(d)]}),
      "raw['ours-torch lora-z5']: unknown bench method 'lora-z5'"),
-    (_ZERO_FILE, lambda d: d["settings"].update(ranks=1), "settings.ranks: 1, but the ZeRO row {key!r} needs 2 ranks or more"),
+    (_ZERO_FILE, lambda d: d["settings"].update(ranks=1), "settings.ranks: 1, but the row {key!r} of several processes needs 2 ranks or more"),
     (_TINY_FILE, lambda d: d["settings"].update(block=129), "{name}: {key}: seq 129: sequence of 129 tokens exceeds max_position_embeddings=128"),
 ])  # fmt: skip
 def test_validate_refuses_a_field_the_bench_does_not_write_in_one_line(name, change, words, tmp_path, capsys):

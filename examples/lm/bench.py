@@ -52,7 +52,8 @@ KV cache and the LoRA unmerged (ours: ``beam_search`` beam 1, no stop ids; HF: `
 (do_sample False, no eos), after a 2-token warm-up; ``same`` says whether a system's tokens
 equal hf-peft's (or the first system's without it).
 
-ZeRO rows (methods ``-z2``, ``-z3``: ``bench_systems``): one job of ``--ranks`` processes,
+Data-parallel and ZeRO rows (methods ``-dp``: DDP without sharding, ``-z2``, ``-z3``:
+``bench_systems``): one job of ``--ranks`` processes,
 started with ``torchrun`` (ours-torch, hf-peft) or ``mpirun`` (ours-jittor); rank r trains on
 rows [r x batch, (r + 1) x batch) of the rows one process gets at ``--batch ranks x batch`` (so
 its loss curve is that run's), writes its result to a file, and the parent merges them
@@ -111,7 +112,7 @@ from .bench_systems import (
     METHODS,
     SEED,
     R,
-    bench_method,
+    bench_ranked,
     lora_arrays,
     make_system,
     token_rows,
@@ -257,7 +258,7 @@ MEMORY_KEYS = ("train_peak_rss_mb", "train_peak_private_mb", "train_peak_anon_mb
 
 
 def merge_ranks(per_rank: list[dict], ranks: int) -> dict:
-    """One row from the results of a ZeRO job's ranks: the memory of the rank with the largest
+    """One row from the results of a data-parallel or ZeRO job's ranks: the memory of the rank with the largest
     peak anonymous memory (peak per rank: its peaks, baseline, split), each step's time the
     slowest rank's (the ranks wait for each other in the collectives), the loss of a step the
     sum of the ranks' shares, tokens/s over all ranks' rows; ``per_rank``: each rank's peaks."""
@@ -367,9 +368,8 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
                             "hf_zero_engine": args.hf_zero_engine,
                             **files}  # fmt: skip
                     log(f"repeat {rep + 1}/{args.repeats} {system} {method} {task}")
-                    zero = bench_method(method)[1]
                     env = worker_env(os.environ, system, kind)
-                    out = (spawn_ranks(spec, args.threads, args.ranks, env) if zero
+                    out = (spawn_ranks(spec, args.threads, args.ranks, env) if bench_ranked(method)
                            else spawn("examples.lm.bench", spec, args.threads, env=env))  # fmt: skip
                     result.update({f"{task}_{k}" if k in ("error", "wall_s") else k: v for k, v in out.items()})
                 raw[row_key(system, method)].append(result)
@@ -377,7 +377,7 @@ def run_all(args, files: dict[str, str]) -> dict[str, list[dict]]:
 
 
 def spawn_ranks(spec: dict, threads: int, ranks: int, env: dict | None = None) -> dict:
-    """A ZeRO row: ``ranks`` workers in one job (``torchrun`` for ours-torch and hf-peft,
+    """A data-parallel or ZeRO row: ``ranks`` workers in one job (``torchrun`` for ours-torch and hf-peft,
     ``mpirun`` for ours-jittor), each writing its result to a file; merged by :func:`merge_ranks`,
     or the launcher's error when a rank wrote none."""
     engine = "mpi" if spec["system"] == "ours-jittor" else "torch"
@@ -490,8 +490,8 @@ def summarise(raw: dict, args, flops: dict, peak: dict, env: dict, floor: dict |
         lines += ["", f"methods: FLOPs per token full {method_flops(flops, 'full') / 1e6:.1f} M, LoRA "
                   f"{method_flops(flops, 'lora') / 1e6:.1f} M (examples/lm/methods_table.py); peak memory split "
                   f"into its parts above the baseline before the model, MB"
-                  + (f"; ZeRO rows: {args.ranks} processes of {args.batch} row(s) each, memory per rank" if any(
-                      bench_method(m)[1] for m in args.methods) else ""),
+                  + (f"; -dp and ZeRO rows: {args.ranks} processes of {args.batch} row(s) each, memory per rank"
+                     if any(bench_ranked(m) for m in args.methods) else ""),
                   *table_lines(methods, _fmt), *method_errors(raw),
                   *qlora_weight_lines(methods, cfg, R, targets_of(cfg), _fmt)]  # fmt: skip
     return "\n".join(lines), {"medians": all_med, "ratios": ratios, "same_tokens": same, "methods": methods}
@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="lora",
                    help=f"comma-separated fine-tuning methods of {','.join(METHODS)} (decoding runs with lora)")
     p.add_argument("--ranks", type=int, default=2,
-                   help="processes of a ZeRO row (-z2, -z3 methods; torchrun or mpirun), each on --batch rows")
+                   help="processes of a data-parallel or ZeRO row (-dp, -z2, -z3 methods; torchrun or mpirun), "
+                        "each on --batch rows")
     p.add_argument("--hf-zero-engine", default="fsdp2", choices=HF_ZERO_ENGINES,
                    help="what shards hf-peft's ZeRO rows: PyTorch FSDP2, or DeepSpeed (pip install deepspeed)")
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")

@@ -18,9 +18,13 @@ bench's docstring), for one fine-tuning method of ``METHODS``:
   the frozen base ignored and no resharding after the forward, as DeepSpeed's ZeRO-2 keeps frozen
   weights whole; stage 3: every parameter sharded), or on DeepSpeed (``--hf-zero-engine
   deepspeed``: ``deepspeed.initialize`` with the same torch AdamW, as the studies ran ZeRO). Each
-  rank trains on its own ``batch`` rows.
+  rank trains on its own ``batch`` rows;
+- ``-dp``: data parallel over the job's ranks without sharding: ours through the same contract
+  at stage 0 (DDP with its gradients as views of its buckets in torch, the MPI all-reduce in
+  jittor), transformers + peft in ``DistributedDataParallel`` with its defaults, as
+  transformers' ``Trainer`` runs it (the planner's ``System.dp_grad_copies``).
 
-A method name is ``BASE[-zSTAGE][-gc]`` (``lora_core.plan.memory.bench_method``): 18 names, of
+A method name is ``BASE[-dp|-zSTAGE][-gc]`` (``lora_core.plan.memory.bench_method``): 24 names, of
 which the studies' table uses 13 (full; LoRA and QLoRA plain, ``-gc``, ``-z2``, ``-z3``,
 ``-z3-gc``)."""
 
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_core.plan.memory import BENCH_METHODS, bench_method
+from lora_core.plan.memory import BENCH_METHODS, bench_method, bench_ranked
 
 from .bench_shapes import LLAMA_TARGETS, projections, targets
 
@@ -103,6 +107,7 @@ class Ours:
         from lora_core.train.optim import AdamWConfig
 
         base, self.zero, gc = bench_method(method)
+        self.ranked = bench_ranked(method)
         self.bk = bk = lora_core.get_backend(name)
         self.model = bk.from_pretrained(ckpt, quantize="nf4") if base == "qlora" else bk.from_pretrained(ckpt)
         if base != "full":
@@ -112,7 +117,7 @@ class Ours:
         bk.set_precision(self.model, precision)
         bk.set_grad_checkpoint(self.model, gc)
         self.world = 1
-        if trainable and self.zero:  # the order of the trainer's: shard, then the optimizer of the shards
+        if trainable and self.ranked:  # the order of the trainer's: shard, then the optimizer of the shards
             from lora_core.train.distributed import start_job
 
             self.world = start_job(bk).world.size
@@ -138,9 +143,9 @@ class Ours:
         return collate([(list(r[:1]), list(r[1:])) for r in rows.tolist()])  # inputs r[:-1], targets r[1:]
 
     def train_step(self, batch) -> float:
-        """One update; the loss of this rank's rows (with ZeRO its share of the job's mean: the
-        ranks' values sum to it)."""
-        if self.zero:
+        """One update; the loss of this rank's rows (over several processes its share of the job's
+        mean: the ranks' values sum to it)."""
+        if self.ranked:
             out = self.bk.parallel_train_step(self.wrapper, self.opt, [batch], [1.0 / self.world], LR)
             return float(out["loss"])
         return float(self.bk.train_step(self.model, self.opt, [batch], LR)["loss"])
@@ -178,6 +183,7 @@ class HFPeft:
         self.torch, self.device = torch, torch.device(device)
         self.autocast_dtype = DTYPES.get(check_precision(precision))  # None: fp32
         base, self.zero, gc = bench_method(method)
+        ranked = bench_ranked(method)
         kw = {}
         if base == "qlora":
             kw = {"quantization_config": transformers.BitsAndBytesConfig(
@@ -202,11 +208,13 @@ class HFPeft:
             lcfg = peft.LoraConfig(r=R, lora_alpha=int(ALPHA), lora_dropout=0.0, target_modules=list(target_modules))
             self.model = peft.get_peft_model(model, lcfg)
             self._load_lora(load_file(lora_file))
-        self.world, self.engine = 1, None
+        self.world, self.engine, self.ddp = 1, None, None
         if zero_engine not in HF_ZERO_ENGINES:
             raise ValueError(f"hf-peft's ZeRO engine must be one of {HF_ZERO_ENGINES}, got {zero_engine!r}")
         if trainable and self.zero and zero_engine == "fsdp2":
             self.world = _fsdp2(self.model, self.zero)
+        elif trainable and ranked:  # -dp
+            self.ddp, self.world = _ddp(self.model)
         if trainable:  # after fully_shard: an optimizer of the unsharded parameters would train nothing
             c = AdamWConfig()
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -249,13 +257,14 @@ class HFPeft:
         return t.from_numpy(rows[:, :-1].copy()).to(self.device), t.from_numpy(rows[:, 1:].copy()).to(self.device)
 
     def train_step(self, batch) -> float:
-        """One update; the loss of this rank's rows (with ZeRO over its share: FSDP2's
-        reduce-scatter averages the ranks' gradients, so the ranks' values sum to the job's mean)."""
+        """One update; the loss of this rank's rows (over several processes its share: FSDP2's
+        reduce-scatter averages the ranks' gradients, as DDP's all-reduce, so the ranks' values sum to
+        the job's mean)."""
         import torch.nn.functional as F
 
         ids, targets = batch
         self.model.train()
-        run = self.engine or self.model
+        run = self.engine or self.ddp or self.model
         with self._autocast():
             logits = run(input_ids=ids).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -300,6 +309,19 @@ def _fsdp2(model, zero: int) -> int:
         fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
     fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
     return dist.get_world_size()
+
+
+def _ddp(model):
+    """``DistributedDataParallel`` with its defaults, as transformers' ``Trainer`` wraps a model
+    under ``torchrun`` (25 MB buckets, gradients beside them: ``gradient_as_bucket_view`` off;
+    frozen parameters neither reduced nor bucketed), in the job ``torchrun`` started (gloo on
+    CPU). The wrapped model and the world size."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return DistributedDataParallel(model), dist.get_world_size()
 
 
 def _deepspeed(model, optimizer, zero: int):

@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from lora_core.plan.memory import bench_method
+from lora_core.plan.memory import bench_ranked
 
 PARTS = ("weights", "gradients", "optimizer", "activations")
 # the bench settings that define a row's workload: files that differ in one are not merged
@@ -104,7 +104,7 @@ def rows(med: dict, flops: dict, peak_gflops: float, settings: dict | None = Non
         tok_s = m.get("train_tok_s")
         gflops = None if tok_s is None else method_flops(flops, method) * tok_s / 1e9
         # a ZeRO row's tokens are every rank's, each rank on its own core: the peak of that many
-        cores = ((settings or {}).get("ranks") or 2) if bench_method(method)[1] else 1
+        cores = ((settings or {}).get("ranks") or 2) if bench_ranked(method) else 1
         full = med.get(f"{system} full")
         base = full.get("train_peak_private_mb") if full else None
         private = m.get("train_peak_private_mb")

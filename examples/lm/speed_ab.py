@@ -34,10 +34,10 @@ from ..nlg.bench import code_version
 from .bench import write_inputs
 from .bench_shapes import SHAPES, check_sizes, describe, shape_config
 from .bench_shapes import targets as targets_of
-from .bench_systems import METHODS, SEED, bench_method, make_system, token_rows
+from .bench_systems import METHODS, SEED, bench_ranked, make_system, token_rows
 
 SYSTEMS = ("ours-torch", "ours-jittor", "hf-peft")
-ONE_PROCESS = tuple(m for m in METHODS if not bench_method(m)[1])  # no ZeRO: those need several processes
+ONE_PROCESS = tuple(m for m in METHODS if not bench_ranked(m))  # no -dp or ZeRO rows: those need several processes
 
 
 def bootstrap_median(x: list[float], level: float = 0.9, draws: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -747,8 +747,9 @@ def resolve_model(spec: str):
 BENCH_TARGETS, GPT2_BENCH_TARGETS, BENCH_R = ("q_proj", "k_proj", "v_proj", "o_proj"), ("c_attn", "attn.c_proj"), 8
 
 
-# the methods bench's row names: BASE[-zSTAGE][-gc] (examples.lm.bench_systems)
-BENCH_METHODS = tuple(f"{b}{z}{g}" for b in METHODS for z in ("", "-z2", "-z3") for g in ("", "-gc"))
+# the methods bench's row names: BASE[-dp|-zSTAGE][-gc] (examples.lm.bench_systems); -dp: data
+# parallel over the bench's ranks without sharding (DDP in torch, MPI all-reduce in jittor)
+BENCH_METHODS = tuple(f"{b}{z}{g}" for b in METHODS for z in ("", "-dp", "-z2", "-z3") for g in ("", "-gc"))
 
 
 def bench_method(name: str) -> tuple[str, int, bool]:
@@ -759,6 +760,12 @@ def bench_method(name: str) -> tuple[str, int, bool]:
     base, *rest = name.split("-")
     zero = next((int(r[1:]) for r in rest if r.startswith("z")), 0)
     return base, zero, "gc" in rest
+
+
+def bench_ranked(name: str) -> bool:
+    """Whether a methods-bench row runs over several processes: its data-parallel (``-dp``) and
+    ZeRO (``-z2``, ``-z3``) rows; ``ValueError`` as :func:`bench_method` for an unknown name."""
+    return bool(bench_method(name)[1]) or "dp" in name.split("-")[1:]
 
 
 def bench_plan(
@@ -780,7 +787,7 @@ def bench_plan(
     """The plan of one row of ``examples.lm.bench --methods`` (method ``full``, ``lora-gc``,
     ``lora-z2``, ...: :func:`bench_method`) on a Llama-family or GPT-2 preset; ``layers``,
     ``vocab``: the bench's overrides of the preset (None: the preset's); ``sysm``: a ``System``
-    in place of ``SYSTEMS[system]``; ``ranks``: the processes of a ZeRO row (``batch`` rows each);
+    in place of ``SYSTEMS[system]``; ``ranks``: the processes of a data-parallel or ZeRO row (``batch`` rows each);
     ``zero_engine``: the row's ZeRO engine in place of the system's (hf-peft on DeepSpeed);
     ``heap_trim``: the run's ``LORA_MALLOC_TRIM`` mode (``auto``, ``on``, ``off``); ``precision``:
     the run's (``examples.lm.gpu_bench --precision``); ``allocator``: its ``LORA_ALLOCATOR`` mode;
@@ -792,6 +799,6 @@ def bench_plan(
     targets = GPT2_BENCH_TARGETS if isinstance(cfg, GPT2Config) else BENCH_TARGETS
     base, zero, gc = bench_method(method)
     c = PlanConfig(method=base, targets=targets, r=BENCH_R, gc=gc, batch=batch, seq=block, system=system, zero=zero,
-                   ranks=ranks if zero else 1, heap_trim=heap_trim, precision=precision, allocator=allocator,
+                   ranks=ranks if bench_ranked(method) else 1, heap_trim=heap_trim, precision=precision, allocator=allocator,
                    head_pieces=head_pieces, zero_engine=zero_engine if zero else None)  # fmt: skip
     return plan(cfg, c, sysm)

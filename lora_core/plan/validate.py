@@ -42,7 +42,7 @@ import numpy as np
 
 from ..models import gpt2, llama
 from ..train.heap import HEAD_PIECE_RULE, HEAD_PIECE_RULES, TRIM_MODES, run_trims
-from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan
+from .memory import BENCH_METHODS, SYSTEMS, System, bench_method, bench_plan, bench_ranked
 
 FITTED = {"ours-torch": ("heap", "act_scale"), "hf-peft": ("heap", "heap_layers", "full_heap", "act_scale"),
           "ours-jittor": ("act_scale", "heap", "deq_kept_gc")}  # fmt: skip
@@ -307,11 +307,12 @@ def bench_rows(paths) -> list[dict]:
             if not measured or (path.name, key) in SUPERSEDED or system not in SYSTEMS:
                 continue
             try:
-                zero = bench_method(method or "lora")[1]
+                ranked = bench_ranked(method or "lora")
             except ValueError as e:
                 raise ValueError(f"{path}: raw[{key!r}]: {e}") from None
-            if zero and s.get("ranks") is not None and s["ranks"] < 2:
-                raise ValueError(f"{path}: settings.ranks: {s['ranks']}, but the ZeRO row {key!r} needs 2 ranks or more")
+            if ranked and s.get("ranks") is not None and s["ranks"] < 2:
+                raise ValueError(f"{path}: settings.ranks: {s['ranks']}, but the row {key!r} of several processes "
+                                 "needs 2 ranks or more")
             # ours-torch's heap trim mode (lora_core.train.heap), recorded since c2cfa46 (and added to the
             # files of 4a04648-c2cfa46, when every Llama step trimmed: "on"); none before 4a04648
             trim = s.get("malloc_trim") or "off"
@@ -380,7 +381,7 @@ def fit_rows(rows: list[dict], system: str, variant: str | None = None, shapes=N
     a family's counts (``variant`` a kind), that family's rows in one process of ``shapes``
     (shape labels; None: ``FAMILY_FIT_SHAPES``)."""
     base = SYSTEMS[system]
-    one = [r for r in rows if r["system"] == system and not bench_method(r["method"])[1]]
+    one = [r for r in rows if r["system"] == system and not bench_ranked(r["method"])]
     if variant not in (None, "tcmalloc"):
         shapes = FAMILY_FIT_SHAPES[(system, variant)] if shapes is None else shapes
         return [r for r in one if r["family"] == variant and r["shape"] in shapes]
