@@ -149,6 +149,12 @@ class System:
     # buffers of up to ``DDP_INFLIGHT_MB`` (two of its 25 MB buckets); Jittor's MPI all-reduce adds
     # none (measured: its ranks' peaks below one process's, as ``mpi_load_delta_mb`` has them)
     dp_grad_copies: float = 1.0
+    # DDP's construction broadcast (``_sync_module_states``) covers the frozen parameters too
+    # (transformers' Trainer and accelerate give DDP none to ignore; ours-torch ignores them): it
+    # writes every parameter on every rank, so a memory-mapped frozen base becomes the process's
+    # own memory (measured: transformers + peft's LoRA over 2 ranks, llama-bench, +405 MB anonymous
+    # per rank from the model's construction on, its 407 MB of mapped fp32 weights)
+    dp_syncs_frozen: bool = False
     # FSDP2's root unit (embeddings, final norm, head) at ZeRO-3: 1 where it stays gathered from its
     # forward to its backward (ours-torch since 7f22b85: its reshard_after_forward left unset), 2 where
     # it is resharded after the forward and gathered again for the backward (transformers + peft as
@@ -251,7 +257,8 @@ SYSTEMS: dict[str, System] = {
                           note="Jittor CPU, backends.jittor"),
     # act_scale fitted with the heap constants since 2026-11-28 (0.79 before, measured on one shape with
     # glibc's mmap threshold fixed at 128 kB): 4 of its Llama rows had been 10.1-10.6% off, none is now
-    "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), act_scale=0.96, heap=0.332,
+    "hf-peft": System("hf-peft", base_mb=146.0, load_mb=162.0, mapped_kinds=("llama", "gpt2"), dp_syncs_frozen=True,
+                      act_scale=0.96, heap=0.332,
                       heap_layers=0.19, full_heap=0.789, silu_saved=3, head_nv=4, lora_outs=3,
                       gelu_saved=4, gelu_allocs=8, zero_engines=("fsdp2", "deepspeed"),
                       autocast=True, note="transformers + peft, PyTorch CPU"),
@@ -544,6 +551,8 @@ def _state(a: Arch, c: PlanConfig, sysm: System, total: int, trainable: int, qua
         weights = whole + own / c.ranks + ((root * wb + layers) * (1 - 1 / c.ranks) if ds
                                            else sysm.fsdp2_root_copies * root * wb + held * layers)
     grads = trainable * grad_b / shard_grads
+    if c.zero == 0 and c.ranks > 1 and sysm.zero_engine != "mpi" and sysm.dp_syncs_frozen:
+        weights, mapped = weights + mapped, 0.0  # DDP's broadcast wrote the mapped frozen base: now its own
     if c.zero == 0 and c.ranks > 1 and sysm.zero_engine != "mpi":  # DDP: its buckets and all-reduce buffers
         grads += sysm.dp_grad_copies * trainable * grad_b + min(trainable * grad_b, DDP_INFLIGHT_MB * MB)
     if c.method == "full" and c.zero and sysm.zero_engine == "fsdp2":
@@ -694,6 +703,9 @@ def fmt_plan(p: Plan, c: PlanConfig, name: str) -> str:
              + (f", allocator {p.allocator}{' (auto)' if c.allocator == 'auto' else ''}" if p.allocator else ""),
              f"{'per-rank peak':24s} {p.peak:10.1f} MB  ({p.peak / 1024:.2f} GiB)",
              f"  {'weights':22s} {p.weights:10.1f} MB",
+             *(["    (DDP's construction broadcast writes the frozen base on every rank: its own memory, "
+                "not mapped file pages)"] if c.zero == 0 and c.ranks > 1 and sysm.zero_engine != "mpi"
+               and sysm.dp_syncs_frozen and c.method != "full" else []),
              f"  {'gradients':22s} {p.gradients:10.1f} MB",
              *([f"    (data parallel over {c.ranks} ranks without ZeRO: DDP's gradient buckets "
                 f"{'as views of the gradients' if sysm.dp_grad_copies == 0 else 'beside the gradients'} and "

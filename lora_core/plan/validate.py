@@ -112,7 +112,11 @@ OUTSIDE = {
         # ZeRO rows: transformers + peft + bitsandbytes on FSDP2 keeps ~130 MB more than its
         # counted gather (Jittor under mpirun, 115-119 MB less than in one process once its model
         # is built, and its ZeRO-2 step's copies are modelled: System.mpi_load_delta_mb, zero_step_copies)
-        ("lm_zero_llama-bench_78c7bc5.json", "hf-peft qlora-z3"),)},
+        ("lm_zero_llama-bench_78c7bc5.json", "hf-peft qlora-z3"),
+        # DDP without ZeRO, ours-torch's full FT under tcmalloc: 202 MB above one process where the
+        # planner counts DDP_INFLIGHT_MB (50; glibc measured +41/+87 MB at 5b04a2f), reached in the
+        # first step (DDP rebuilds its buckets there; not isolated)
+        ("lm_zero_llama-bench-dp_05aa1fa.json", "ours-torch full-dp"),)},
     # ours-torch under glibc (LORA_ALLOCATOR=glibc; GC and 4-bit runs trim the heap): the minimax fit of
     # its two constants left four rows at 10.5-10.7% at fb02de2; the two at 128k vocabulary (the frozen
     # head's pieces kept in glibc's heap) measured again since 7b0a1cb, refitted: three rows at 10.2%
