@@ -6,11 +6,14 @@ from __future__ import annotations
 import jittor as jt
 import numpy as np
 
+from lora_core.data.batching import check_token_ids
+
 from .train import log_softmax
 
 
 def _logits(model, batch: dict) -> jt.Var:
-    return model(jt.array(batch["input_ids"]), jt.array(batch["attention_mask"]))
+    ids = check_token_ids(batch["input_ids"], model.config.vocab_size, "input ids")  # jittor's lookup checks nothing
+    return model(jt.array(ids), jt.array(batch["attention_mask"]))
 
 
 def cls_loss(model, batch: dict):

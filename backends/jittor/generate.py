@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jittor as jt
 
+from lora_core.data.batching import check_prompts
 from lora_core.generate.beam import BeamConfig, beam_search_batched
 from lora_core.generate.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
 from lora_core.generate.static_cache import decode_step_captured
@@ -62,6 +63,7 @@ def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_siz
     ``scoring`` as in ``backends.torch.generate.beam_search``. ``decode_step``: "auto" or
     "eager" (jittor has no graph capture: "captured" raises ``ValueError``; its JIT already
     fuses and compiles each step's ops, cached per shape)."""
+    check_prompts(contexts, model.config.vocab_size)  # jittor's lookup checks nothing: refused here, as torch
     on_device = scoring_on_device(scoring, bool(jt.flags.use_cuda))
     decode_step_captured(decode_step, bool(jt.flags.use_cuda), "jittor", False)  # validates the choice
     model.eval()

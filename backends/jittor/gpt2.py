@@ -13,6 +13,7 @@ import jittor as jt
 import numpy as np
 from jittor import nn
 
+from lora_core.data.batching import check_token_ids
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
@@ -200,7 +201,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
 
     def hidden(self, input_ids, past=None, attention_mask=None, position_ids=None):
         """Final hidden states (B, T, E) and the new KV cache."""
-        ids = _var(input_ids)
+        ids = _ids(input_ids, self.config.vocab_size)
         B, T = ids.shape
         cache = past if isinstance(past, KVCache) else None
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
@@ -221,7 +222,7 @@ class GPT2LMModel(TrainEvalMixin, nn.Module):
 
     def hidden_unpadded(self, input_ids, token_index, pad_index):
         """Final hidden states (N, E) of the real tokens of a right-padded batch; see the torch backend."""
-        ids = _var(input_ids)
+        ids = _ids(input_ids, self.config.vocab_size)
         B, T = ids.shape
         check_length(self.config, T)
         tok, pad = _var(token_index), _var(pad_index)
@@ -370,3 +371,10 @@ def _np(x):
 def _var(x):
     return x if isinstance(x, jt.Var) else jt.array(np.asarray(x, dtype=np.int64))
 
+
+def _ids(x, vocab_size: int):
+    """Token ids as a Var: host data (numpy, lists) checked against the vocabulary first
+    (``check_token_ids``: ValueError naming the id, as torch). A ``jt.Var`` is taken as it is,
+    unchecked (checking it would read it back from the device): jittor's lookup does no bounds
+    check, so an id outside the vocabulary gives garbage rows there, not an error."""
+    return x if isinstance(x, jt.Var) else jt.array(check_token_ids(x, vocab_size, "input ids"))

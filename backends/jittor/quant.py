@@ -46,13 +46,42 @@ _NESTED_SCALE = """{{
 _PLAIN_SCALE = "s = in2_p[b];"
 
 
-def dequantize(layer, bf16: bool = False) -> jt.Var:
+def _kernel(packed, absmax, tail, shape, blocksize: int, nested_blocksize: int | None, bf16: bool) -> jt.Var:
+    """The CPU kernel: ``packed`` codes, ``absmax`` per block (uint8 indices into the dynamic map
+    with ``nested_blocksize``, else float32), ``tail`` (the nested scales with the offset appended,
+    else the float32 absmax again); ``bf16``: each weight rounded to bfloat16 (kept in float32)."""
+    scale = _PLAIN_SCALE if nested_blocksize is None else _NESTED_SCALE.format(nbs=nested_blocksize)
+    shape = tuple(int(d) for d in shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))  # the kernel writes a 2-D output
+    out = jt.code((rows, shape[-1]), "float32", [packed, absmax, tail, jt.array(dynamic_map()), jt.array(NF4_CODE)],
+                  cpu_header="#include <cstring>",
+                  cpu_src=_SRC.format(bs=blocksize, scale=scale, round=_ROUND_BF16 if bf16 else ""))
+    return out if len(shape) == 2 else out.reshape(shape)
+
+
+def _flat(x, dtype) -> jt.Var:
+    x = x if isinstance(x, jt.Var) else jt.array(np.ascontiguousarray(np.asarray(x, dtype=dtype)))
+    return x.reshape(-1)
+
+
+def dequantize(packed, absmax, nested, offset, shape, blocksize: int, nested_blocksize: int = 256) -> jt.Var:
+    """The float32 weight of an NF4 state (``NF4_CODE[code] * scale``, the spec's steps), as
+    ``backends.torch.quant.dequantize``: ``packed`` the codes (two a byte), ``absmax`` the block
+    scales (with double quantization their uint8 codes, ``nested`` the float32 scales of those in
+    blocks of ``nested_blocksize`` and ``offset`` the added mean; else float32, ``nested`` and
+    ``offset`` None); Vars or numpy arrays."""
+    if nested is None:
+        absmax = _flat(absmax, np.float32)
+        return _kernel(_flat(packed, np.uint8), absmax, absmax, shape, blocksize, None, False)
+    tail = jt.concat([_flat(nested, np.float32), _flat(offset, np.float32)])  # the offset appended
+    return _kernel(_flat(packed, np.uint8), _flat(absmax, np.uint8), tail, shape, blocksize, nested_blocksize, False)
+
+
+def _dequantize_layer(layer, bf16: bool = False) -> jt.Var:
     """The float32 weight of ``layer``'s NF4 state (CPU kernel); ``bf16``: rounded to bfloat16."""
-    packed, absmax, nested_off = layer._nf4
-    scale = _NESTED_SCALE.format(nbs=layer.nested_blocksize) if layer.nested else _PLAIN_SCALE
-    return jt.code(layer.shape, "float32", [packed, absmax, nested_off, jt.array(dynamic_map()), jt.array(NF4_CODE)],
-                   cpu_header="#include <cstring>",
-                   cpu_src=_SRC.format(bs=layer.blocksize, scale=scale, round=_ROUND_BF16 if bf16 else ""))
+    packed, absmax, tail = layer._nf4
+    return _kernel(packed, absmax, tail, layer.shape, layer.blocksize, layer.nested_blocksize if layer.nested else None,
+                   bf16)
 
 
 _ROUND_BF16_SRC = f"""
@@ -116,10 +145,17 @@ class LoRALinear4bit(LoRALinear):
         """The dequantized weight (float32, no gradient), for reading."""
         return self.dequantized()
 
-    def dequantized(self) -> jt.Var:
-        """The weight in float32, rounded to the compute dtype on the way (bfloat16: to nearest
-        even in the kernel, as torch converts; jittor's own cast truncates)."""
-        return dequantize(self, bf16=self.compute_dtype == "bfloat16").stop_grad()
+    def dequantized(self, dtype=jt.float32) -> jt.Var:
+        """The weight in ``dtype`` (a jittor dtype or its name; no gradient), rounded to the compute
+        dtype on the way, as torch's: float32 -> compute dtype -> ``dtype`` (bfloat16: to nearest
+        even, as torch converts; jittor's own cast truncates)."""
+        w = _dequantize_layer(self, bf16=self.compute_dtype == "bfloat16").stop_grad()
+        name = dtype if isinstance(dtype, str) else dtype.__name__
+        if name == "float32":
+            return w
+        if name == "bfloat16":
+            w = round_bf16(w)  # to nearest even (a no-op where the kernel rounded): the cast is then exact
+        return w.cast(name)
 
     def add_lora(self, r: int, scaling: float, dropout: float, values, enable=None) -> None:
         """Put a LoRA pair (numpy ``A`` (r, in), ``B`` (out, r)) on this layer; ``enable``: one

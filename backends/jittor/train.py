@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jittor as jt
 
+from lora_core.data.batching import check_token_ids
+
 
 def log_softmax(x: jt.Var) -> jt.Var:
     """Stable log-softmax over the last axis. (``jittor.nn.log_softmax`` is ``log(softmax)``,
@@ -13,14 +15,21 @@ def log_softmax(x: jt.Var) -> jt.Var:
 
 
 def _gather_logits(model, batch):
+    # every target a token of the vocabulary (the input ids: hidden_unpadded), checked on the host
+    # array: jittor's gather reads out of bounds silently (as torch's _loss_hidden)
+    targets = check_token_ids(batch["targets"], model.config.vocab_size, "targets")
     h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])  # (N, E) real tokens
     h = h[jt.array(batch["packed_loss_index"])]  # loss positions only
-    return model.lm_logits(h), jt.array(batch["targets"])
+    return model.lm_logits(h), jt.array(targets)
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the framework RNG (dropout masks); the trainer reseeds per step for exact resume."""
-    jt.set_global_seed(seed)
+    """Seed the framework RNG (dropout masks); the trainer reseeds per step for exact resume.
+    ``jt.set_global_seed`` takes only ``[0, 2**32)``, where torch takes any 64-bit seed (the
+    trainer's ``dropout_seed(seed, step) * world + rank`` passes 2**32 from ``--seed 4295`` on):
+    the seed is reduced modulo 2**32 here (negative ones too), so every seed torch accepts
+    works; seeds equal modulo 2**32 give the same draws."""
+    jt.set_global_seed(int(seed) % (1 << 32))
 
 
 def lm_loss(model, batch: dict, label_smooth: float = 0.0):

@@ -14,14 +14,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lora_core.data.batching import check_token_ids
+
 from .precision import autocast
 
 
 def _logits(model, batch: dict) -> torch.Tensor:
     """float32 logits; the forward runs in the model's precision (``set_precision``)."""
     dev = next(model.parameters()).device
+    ids = check_token_ids(batch["input_ids"], model.config.vocab_size, "input ids")  # as every backend
     with autocast(model):
-        logits = model(torch.from_numpy(batch["input_ids"]).to(dev), torch.from_numpy(batch["attention_mask"]).to(dev))
+        logits = model(torch.from_numpy(ids).to(dev), torch.from_numpy(batch["attention_mask"]).to(dev))
     return logits.float()  # a no-op in fp32
 
 

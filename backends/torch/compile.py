@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
+from lora_core.data.batching import check_token_ids
 from lora_core.train.buckets import bucket_shape, pad_to_bucket
 from lora_core.train.tasks import max_positions
 
@@ -83,6 +84,8 @@ class CompiledLoss:
 
     def __call__(self, model, batch: dict, label_smooth: float = 0.0) -> torch.Tensor:
         global _buckets_met
+        for key, what in (("targets", "targets"), ("input_ids", "input ids")):  # host arrays, in lm_loss's order
+            check_token_ids(batch[key], model.config.vocab_size, what)
         shape = bucket_shape(batch, max_positions(model), self.length_multiple)
         if shape not in self.buckets:
             self.buckets.add(shape)

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from lora_core.data.batching import check_prompts
 from lora_core.generate.beam import BeamConfig, beam_search_batched
 from lora_core.generate.beam_scoring import TIE_MARGIN, Candidates, LogitEdits, resolve_topk, scoring_on_device
 from lora_core.generate.static_cache import decode_step_captured
@@ -79,6 +80,7 @@ def beam_search(model, contexts: list, cfg: BeamConfig = BeamConfig(), batch_siz
     preallocated cache reordered in place, the step recorded once per shape as a CUDA graph
     on a GPU; op by op on a CPU) or "auto" (captured on a GPU, eager on the CPU, where it is
     the faster); both decode the same beams."""
+    check_prompts(contexts, model.config.vocab_size)  # ValueError naming the id, as every backend
     on_gpu = next(model.parameters()).device.type != "cpu"
     on_device = scoring_on_device(scoring, on_gpu)
     static = StaticDecoder(model, cfg.max_new_tokens) if decode_step_captured(decode_step, on_gpu, "torch", True) \

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lora_core.data.batching import check_token_ids
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.beam import compose_rows
 from lora_core.generate.masks import attention_bias, positions
@@ -247,7 +248,7 @@ class GPT2LMModel(nn.Module):
         """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nh, T_all, hs),
         or ``past`` itself, advanced in place, when it is a ``KVCache``."""
         dev = self.wte.weight.device  # inputs follow the model (CPU or a GPU after model.to(...))
-        input_ids = _tensor(input_ids).to(dev)
+        input_ids = _ids(input_ids, self.config.vocab_size).to(dev)
         B, T = input_ids.shape
         cache = past if isinstance(past, KVCache) else None
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
@@ -272,7 +273,7 @@ class GPT2LMModel(nn.Module):
         and attention on the padded (B, T) layout; indices as ``lora_core.data.batching.collate``
         makes them."""
         dev = self.wte.weight.device
-        ids = _tensor(input_ids).to(dev)
+        ids = _ids(input_ids, self.config.vocab_size).to(dev)
         B, T = ids.shape
         check_length(self.config, T)
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
@@ -360,3 +361,9 @@ def _np(x):
 
 def _tensor(x):
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+
+
+def _ids(x, vocab_size: int):
+    """Token ids as a tensor: host data (numpy, lists) checked against the vocabulary first
+    (``check_token_ids``: ValueError naming the id); a tensor as it is (its lookup raises)."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(check_token_ids(x, vocab_size, "input ids"))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_core.data.batching import check_token_ids
 from lora_core.formats.checkpoint import check_tensors
 from lora_core.generate.masks import attention_bias, positions
 from lora_core.lora.layers import decoding_weights
@@ -357,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states (B, T, E) and the new KV cache: per layer (k, v), (B, nkv, T_all, D),
         or ``past`` itself, advanced in place, when it is a ``KVCache``."""
         dev = self.model.embed_tokens.weight.device
-        ids = _tensor(input_ids).to(dev)
+        ids = _ids(input_ids, self.config.vocab_size).to(dev)
         B, T = ids.shape
         cache = past if isinstance(past, KVCache) else None
         t_past = 0 if past is None else cache.length if cache else past[0][0].shape[2]
@@ -383,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
         0..len-1 per row): norms, projections and MLP on the N real tokens only, attention on
         the padded (B, T) layout; indices as ``lora_core.data.batching.collate`` makes them."""
         dev = self.model.embed_tokens.weight.device
-        ids = _tensor(input_ids).to(dev)
+        ids = _ids(input_ids, self.config.vocab_size).to(dev)
         B, T = ids.shape
         check_length(self.config, T)
         tok, pad = _tensor(token_index).to(dev), _tensor(pad_index).to(dev)
@@ -476,6 +477,12 @@ def _np(x):
 
 def _tensor(x):
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+
+
+def _ids(x, vocab_size: int):
+    """Token ids as a tensor: host data (numpy, lists) checked against the vocabulary first
+    (``check_token_ids``: ValueError naming the id); a tensor as it is (its lookup raises)."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(check_token_ids(x, vocab_size, "input ids"))
 
 
 __all__ = ["LlamaForCausalLM", "llama_from_pretrained"]

@@ -11,17 +11,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lora_core.data.batching import check_token_ids
 from lora_core.train import heap
 
 from .precision import autocast
 
 
 def _loss_hidden(model, batch):
-    """Final hidden states at the loss positions (M, E) and their targets (M,)."""
+    """Final hidden states at the loss positions (M, E) and their targets (M,). Every target must
+    be a token of the vocabulary (checked on the host array, ``check_token_ids``; the input ids
+    in ``hidden_unpadded``): ValueError naming it, as in every backend."""
+    targets = check_token_ids(batch["targets"], model.config.vocab_size, "targets")
     h = model.hidden_unpadded(batch["input_ids"], batch["token_index"], batch["pad_index"])  # (N, E) real tokens
     dev = h.device
     h = h.index_select(0, torch.from_numpy(batch["packed_loss_index"]).to(dev))  # loss positions only
-    return h, torch.from_numpy(batch["targets"]).to(dev)
+    return h, torch.from_numpy(targets).to(dev)
 
 
 def _gather_hidden(model, batch):
@@ -55,12 +59,17 @@ class _HeadNLL(torch.autograd.Function):
     MB, at 4 x 512 tokens 1 GB, where a piece is 32 MB. The same products, in pieces of rows, so the
     same time; where V is not a multiple of ``heap.HEAD_COLUMN_MULTIPLE`` (GPT-2's 50257) each
     piece's logits are two products, ``w``'s first ``heap.head_column_split(V)`` rows (a view) and
-    the rest, which the CPU's GEMM runs faster than one product of V columns."""
+    the rest, which the CPU's GEMM runs faster than one product of V columns. A target outside
+    ``[0, V)`` is refused (ValueError, ``check_token_ids``), never clamped into a column: ``lm_loss``
+    checks the host array before the forward pass; here a CPU tensor is checked again (free), a
+    GPU one is not (that would wait for the device)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, label_smooth, rows):
         n = h.shape[0]
         vocab = w.shape[0]
+        if targets.device.type == "cpu":
+            check_token_ids(targets.numpy(), vocab, "targets")
         split = heap.head_column_split(vocab)
         parts = [(0, w)] if split == vocab else [(0, w[:split]), (split, w[split:])]  # (first column, rows of w)
         eps = float(label_smooth)
@@ -71,7 +80,8 @@ class _HeadNLL(torch.autograd.Function):
             t = targets[a : a + rows]
             # the logits themselves in fp32 (F.linear under autocast casts as the head's product would)
             xs = [F.linear(x_in, wp).float() for _, wp in parts]
-            # per part: which positions' targets it holds, and their column in it (clamped for the rest)
+            # per part: which positions' targets it holds, and their column in it (clamped for the targets
+            # the other part holds; every target is in one part, checked above)
             where = [((t >= c0) & (t < c0 + wp.shape[0]), (t - c0).clamp(0, wp.shape[0] - 1)[:, None]) for c0, wp in parts]
             picked = None  # each position's target logit, from the part that holds its column
             for x, (inside, col) in zip(xs, where):

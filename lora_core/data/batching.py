@@ -65,6 +65,33 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_to: int | None = No
             "packed_loss_index": pad_index[loss_index]}
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
+    """``ids`` (host data: a numpy array or nested lists) as an int64 array, every id checked to lie
+    in ``[0, vocab_size)``; otherwise ValueError naming ``what`` (``"input ids"``, ``"targets"``,
+    ``"prompt"``), the first offending id, its position and the vocabulary size. The backends call
+    it where host data enters (forward passes, losses, beam prompts), before the ids reach an
+    embedding lookup or a gather: jittor's read out of bounds silently (garbage or NaN) where torch
+    raises, and torch's fused frozen-head loss would skip the target. The cost is one min and one
+    max over the host array (no copy for int64 input, no device sync); targets have no ignore
+    index (``collate`` gathers the loss positions explicitly), so every target must be a token."""
+    a = np.asarray(ids)
+    if a.dtype != np.int64:
+        a = a.astype(np.int64)
+    if a.size and (a.min() < 0 or a.max() >= vocab_size):
+        bad = np.flatnonzero((a < 0) | (a >= vocab_size))
+        pos = np.unravel_index(bad[0], a.shape)
+        more = f" ({len(bad)} ids outside it)" if len(bad) > 1 else ""
+        raise ValueError(f"{what}: token id {int(a.flat[bad[0]])} at position {tuple(int(i) for i in pos)} is "
+                         f"outside the vocabulary of {vocab_size} tokens [0, {vocab_size}){more}")
+    return a
+
+
+def check_prompts(contexts, vocab_size: int) -> None:
+    """``check_token_ids`` on each beam-search prompt (``"prompt {i}"`` named in the error)."""
+    for i, c in enumerate(contexts):
+        check_token_ids(c, vocab_size, f"prompt {i}")
+
+
 def label_smoothed_nll_reference(logits: np.ndarray, targets: np.ndarray, eps: float) -> float:
     """Numpy reference of the paper loss at the loss positions, averaged over them:
     ``(1 - eps) * NLL + eps * mean_v(-log p_v)``; ``logits`` is (N, V)."""
