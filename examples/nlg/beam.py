@@ -27,6 +27,7 @@ from lora_core.data.tokenizer import load_tokenizer
 from lora_core.device import DEVICE_CHOICES
 from lora_core.generate.beam_scoring import SCORING
 from lora_core.generate.static_cache import DECODE_STEPS
+from lora_core.models import check_length
 from lora_core.train.distributed import batch_shard, gather_outputs, run_job
 from lora_core.train.precision import PRECISIONS
 from lora_core.train.recipes import RECIPES, apply_overrides, get_recipe
@@ -41,12 +42,50 @@ from ..run_options import (
 )
 
 
+def encode_prompts(tok, contexts: list[str]) -> list[list[int]]:
+    """Prompt layout of the paper: ``bpe(context) + [eos]``."""
+    return [tok.encode(c) + [tok.eos_id] for c in contexts]
+
+
+def check_prompt_lengths(prompts: list[list[int]], lines: list[int], model_config, max_new_tokens: int, source) -> None:
+    """Refuse, before any decoding, a prompt the beam search would stop on mid-run: it feeds the
+    prompt and then each generated token but the last, ``len(prompt) + max_new_tokens - 1``
+    tokens, which the model's own check (``lora_core.models.check_length``) must accept.
+    ``lines``: the ``--test`` line of each prompt's context (its first record)."""
+    for prompt, line in zip(prompts, lines, strict=True):
+        try:
+            check_length(model_config, len(prompt) + max_new_tokens - 1)
+        except ValueError as e:
+            raise ValueError(
+                f"--test {source} line {line}: its context is {len(prompt)} tokens (eos included); with "
+                f"max_new_tokens={max_new_tokens} the beam search would reach {len(prompt) + max_new_tokens - 1} "
+                f"tokens, which the model refuses ({e}): shorten the context or lower max_new_tokens "
+                f"(--set max_new_tokens=N)"
+            ) from None
+
+
+def decode_prompts(
+    backend,
+    model,
+    prompts: list[list[int]],
+    beam_cfg,
+    batch_size: int = 8,
+    progress: bool = True,
+    scoring: str = "auto",
+    decode_step: str = "auto",
+) -> list[list[int]]:
+    """Batched beam search of encoded prompts (:func:`encode_prompts`)."""
+    return backend.beam_search(
+        model, prompts, beam_cfg, batch_size=batch_size, progress=progress, scoring=scoring, decode_step=decode_step
+    )
+
+
 def decode_contexts(backend, model, tok, contexts: list[str], beam_cfg, batch_size: int = 8,
                     progress: bool = True, scoring: str = "auto", decode_step: str = "auto") -> list[list[int]]:
     """Prompt layout of the paper (``bpe(context) + [eos]``), then batched beam search."""
-    prompts = [tok.encode(c) + [tok.eos_id] for c in contexts]
-    return backend.beam_search(model, prompts, beam_cfg, batch_size=batch_size, progress=progress, scoring=scoring,
-                               decode_step=decode_step)
+    return decode_prompts(
+        backend, model, encode_prompts(tok, contexts), beam_cfg, batch_size, progress, scoring, decode_step
+    )
 
 
 def write_beam_jsonl(path, outputs: list[list[int]]) -> None:
@@ -86,15 +125,31 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(a.vocab)
         beam_cfg = apply_overrides(dataclasses.replace(get_recipe(a.recipe).beam, stop_ids=tok.stop_ids), a.set)
         base, adapter = resolve_base_adapter(a.base, a.adapter, quantize_kwargs(a), warn=comm.world.is_main)
-        groups = group_references(read_formatted(a.test, allow_empty=a.allow_empty), str(a.test))
+        records = read_formatted(a.test, allow_empty=a.allow_empty)
+        groups = group_references(records, str(a.test))
         if not groups:
             raise ValueError(f"--test {a.test}: the file holds no examples")
+        first_line: dict[str, int] = {}
+        for no, rec in enumerate(records, 1):
+            first_line.setdefault(rec["context"], no)
+        prompts = encode_prompts(tok, [g.context for g in groups])
         model = backend.from_pretrained(base, adapter=adapter, trainable=False, **quantize_kwargs(a))
+        # every context against the model before any decoding (not when its batch comes)
+        lines = [first_line[g.context] for g in groups]
+        check_prompt_lengths(prompts, lines, model.config, beam_cfg.max_new_tokens, a.test)
         backend.to_device(model, a.device)
         backend.set_precision(model, a.precision)
         start, stop = batch_shard(len(groups), a.batch_size, comm.world)
-        mine = decode_contexts(backend, model, tok, [g.context for g in groups[start:stop]], beam_cfg, a.batch_size,
-                               progress=comm.world.is_main, scoring=a.scoring, decode_step=a.decode_step)
+        mine = decode_prompts(
+            backend,
+            model,
+            prompts[start:stop],
+            beam_cfg,
+            a.batch_size,
+            progress=comm.world.is_main,
+            scoring=a.scoring,
+            decode_step=a.decode_step,
+        )
         outputs = gather_outputs(comm, mine, start, len(groups))
         comm.on_main(write_beam_jsonl, a.out, outputs)
         return f"wrote {len(outputs)} beams to {a.out}"

@@ -39,7 +39,7 @@ from lora_core.data.convert import convert_e2e
 from lora_core.data.nlg import group_references, write_jsonl_atomic, write_text_atomic
 from lora_core.data.tokenizer import encode_file, load_tokenizer
 from lora_core.data.toy import make_toy_dataset, train_toy_tokenizer
-from lora_core.generate.decode import make_eval_files
+from lora_core.generate.decode import check_e2e_groups, make_eval_files
 from lora_core.train.recipes import get_recipe
 from lora_core.train.trainer import read_log, train
 
@@ -213,9 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.threads < 1:
         p.error(f"--threads must be >= 1, got {a.threads}")
+    if a.test_limit < 0:  # a slice's negative stop would drop MRs from the end
+        p.error(f"--test-limit must be >= 0 (0: every test MR), got {a.test_limit}")
     pin_threads(a.threads)
     t_start = time.time()
     tok, recs, data_name = prepare_data(a.out, a.data_dir)
+    groups = group_references(recs["test"])[: a.test_limit or None]
+    try:  # E2E scoring at the end cannot hold one MR of several references: refused before any training
+        check_e2e_groups(groups, f"--test-limit {a.test_limit}")
+    except ValueError as e:
+        p.error(str(e))
     half = len(recs["train"]) // 2
     cfg, base = pretrain_base(tok, recs["train"][:half], a.pretrain_steps, a.preset)
     lc.save_model(a.out / "base", cfg, base)
@@ -223,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=a.steps),
                                  beam=dataclasses.replace(recipe.beam, stop_ids=tok.stop_ids))
     enc = {s: encode_file(tok, r) for s, r in recs.items()}
-    groups = group_references(recs["test"])[: a.test_limit or None]
     test_records = [{"context": g.context, "completion": ref} for g in groups for ref in g.references]
     runs, scores = {}, {}
     for name in a.backends.split(","):

@@ -1,6 +1,7 @@
 """Raw data -> formatted JSONL -> encoded JSONL (the paper's create_datasets.sh in one command).
 
-For each ``SPLIT=PATH`` input (a bare ``PATH`` uses its file stem as the split name) it
+For each ``SPLIT=PATH`` input (a bare ``PATH`` uses its file stem as the split name; a path
+holding "=" is a bare ``PATH`` when it is an existing file or a "/" comes before the "=") it
 writes ``OUT/SPLIT_formatted.jsonl`` (``{"context", "completion"[, "cate"]}``) and
 ``OUT/SPLIT.jsonl`` (token ids in the paper layout: ``bpe(context) + [eos]``,
 ``bpe(" " + completion) + [eos]``), the names microsoft/LoRA uses. Examples::
@@ -17,6 +18,7 @@ writes ``OUT/SPLIT_formatted.jsonl`` (``{"context", "completion"[, "cate"]}``) a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +31,12 @@ from ..run_options import doc_summary
 
 
 def _split_arg(text: str) -> tuple[str, Path]:
+    """``SPLIT=PATH`` or a bare ``PATH`` (split: its stem, less ``_formatted``). A ``PATH`` may hold
+    "=": the text is read as ``SPLIT=PATH`` only when the part before the first "=" is a plain
+    split name (no path separator) and the whole text is not an existing file."""
     name, sep, path = text.partition("=")
-    if not sep:
+    separators = {"/", os.sep, os.altsep} - {None}
+    if not sep or any(c in name for c in separators) or Path(text).is_file():
         stem = Path(text).stem
         return stem[: -len("_formatted")] if stem.endswith("_formatted") else stem, Path(text)
     if not name or not path:

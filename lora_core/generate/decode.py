@@ -7,7 +7,10 @@ Semantics of the LoRA paper's ``examples/NLG/src/gpt2_decode.py`` (microsoft/LoR
 - one instance per unique context (:func:`lora_core.data.nlg.group_references` order);
 - E2E: one prediction line per MR; the reference file lists each MR's references,
   one a line, with a blank line between MRs (the paper also writes one after the
-  last MR; we do not, so a file never ends in an empty group);
+  last MR; we do not, so a file never ends in an empty group). A single MR with
+  several references is refused (:func:`check_e2e_groups`): ``measure_scores.py``
+  (and ``lora-eval e2e``) read a reference file of one group, with or without a
+  blank line after it, as one single-reference instance per line;
 - WebNLG/DART: ``reference0`` .. ``reference{N-1}`` in a folder, line ``i`` of file
   ``k`` being reference ``k`` of instance ``i``. An instance with fewer than N
   references is padded with its FIRST reference (``ref[0]``, what gpt2_decode.py
@@ -39,6 +42,7 @@ __all__ = [
     "clean_text",
     "cut_at_stop",
     "post_process",
+    "check_e2e_groups",
     "decode_predictions",
     "read_beam_jsonl",
     "filter_groups",
@@ -161,6 +165,34 @@ def _lines(lines: Sequence[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def check_e2e_groups(groups: Sequence[ReferenceGroup], option: str = "--ref-type e2e") -> None:
+    """Refuse E2E instances that no reference file can hold: one MR with several references.
+
+    ``measure_scores.py`` (tuetschek/e2e-metrics) splits the reference file into groups at
+    blank lines, drops one trailing empty group, and takes a file of ONE group for a
+    single-reference file (``data_ref = [[inst] for inst in data_ref[0]]``): each reference
+    becomes an instance of its own and the counts no longer match the one prediction; a
+    blank line before or after the group makes an empty instance instead. ``lora-eval e2e``
+    reads the file the same way (``eval.inputs.group_e2e_references``).
+
+    Args:
+        groups: the instances to score.
+        option: what the message starts with: the option that asked for E2E files.
+
+    Raises:
+        ValueError: naming the MR, its number of references, the reason and what to do.
+    """
+    if len(groups) == 1 and len(groups[0].references) > 1:
+        g = groups[0]
+        raise ValueError(
+            f"{option}: the test set holds a single MR ({g.context!r}) with {len(g.references)} references; "
+            f"measure_scores.py and lora-eval e2e read a reference file of one group (with or without a blank line "
+            f"after it) as {len(g.references)} single-reference instances, which do not match the one prediction, "
+            f"and no layout of the file makes it one multi-reference instance: decode and score a test set of at "
+            f"least two MRs (or keep one reference of this MR)"
+        )
+
+
 def write_e2e_files(
     groups: Sequence[ReferenceGroup],
     hypotheses: Sequence[str],
@@ -176,9 +208,14 @@ def write_e2e_files(
         hypotheses: clean predictions, one per group.
         ref_path, pred_path: output files.
         tokenize, lower: :func:`post_process` options.
+
+    Raises:
+        ValueError: before writing anything, on mismatched lengths, a single MR with several
+            references (:func:`check_e2e_groups`) or a reference empty after cleaning.
     """
     if len(groups) != len(hypotheses):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(groups)} unique contexts")
+    check_e2e_groups(groups)
     pp = lambda s: post_process(s, tokenize, lower)  # noqa: E731
     blocks = []
     for i, g in enumerate(groups):

@@ -125,13 +125,28 @@ class LMTask:
                 if isinstance(e, dict) else (e[0], e[1]) for e in raw]
 
     def check(self, examples, model, where: str = "example") -> None:
-        V = model.config.vocab_size
-        top = max((max([*c, *t], default=-1) for c, t in examples), default=-1)
-        if top >= V:
-            raise ValueError(
-                f"the data holds token id {top}, outside the model's vocabulary of {V} "
-                f"(wrong tokenizer, or a random-init model with too small a vocab_size?)"
-            )
+        """Every example against the model before any work (else a bad one is refused only when
+        its batch is collated, mid-run): a non-empty context and completion, at most the model's
+        positions of input tokens (``len(context) + len(completion) - 1``: the model reads
+        ``seq[:-1]``) and token ids in its vocabulary. ``where``: how the message names the
+        examples with their 1-based number (``"training example"``: the line of an encoded
+        file)."""
+        V, P = model.config.vocab_size, max_positions(model)
+        for i, (c, t) in enumerate(examples):
+            if not len(c) or not len(t):
+                raise ValueError(f"{where} {i + 1} has an empty {'context' if not len(c) else 'completion'}")
+            n = len(c) + len(t) - 1
+            if n > P:
+                raise ValueError(
+                    f"{where} {i + 1} has {n} input tokens (context {len(c)} + completion {len(t)} - 1), "
+                    f"more than the model's {P} positions (drop or shorten it when preparing the data)"
+                )
+            lo, hi = min(min(c), min(t)), max(max(c), max(t))
+            if hi >= V or lo < 0:
+                raise ValueError(
+                    f"{where} {i + 1}: token id {hi if hi >= V else lo} outside the model's vocabulary of {V} "
+                    f"(wrong tokenizer, or a random-init model with too small a vocab_size?)"
+                )
 
     def check_config(self, cfg, model) -> None:
         if cfg.pad_to is not None and cfg.pad_to > max_positions(model):
