@@ -128,6 +128,29 @@ def test_v4_config_json_with_rope_scaling(tmp_path):
     assert_close("llama rope inv_freq llama3 (3.2-1B config)", spec.rope_inv_freq(cfg), inv, 1e-7)
 
 
+def test_llama3_original_max_positions_as_transformers_reads_it():
+    """transformers 5 (``standardize_rope_params``) takes a top-level
+    ``original_max_position_embeddings`` over the llama3 rope dict's (Phi-3's layout), and
+    ``max_position_embeddings`` where neither has one: the same RoPE frequencies here (the
+    top-level key was ignored: logits 8.3 apart on a tiny model)."""
+    base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=5e5)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    no_old = {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}
+    for d, old in ((dict(base, rope_scaling=rope, original_max_position_embeddings=64), 64),
+                   (dict(base, rope_scaling=no_old), 128), (dict(base, rope_scaling=rope), 16)):
+        ours = spec.LlamaConfig.from_hf_dict(copy.deepcopy(d))
+        ref = transformers.LlamaConfig(**{k: v for k, v in copy.deepcopy(d).items() if k != "model_type"})
+        # the model's config, standardized again once the top-level key is an attribute (the
+        # config object's own rope_parameters still holds the dict's value)
+        hf = transformers.LlamaForCausalLM(ref)
+        assert ours.rope_scaling["original_max_position_embeddings"] == old
+        assert hf.config.rope_parameters["original_max_position_embeddings"] == old
+        inv = hf.model.rotary_emb.inv_freq
+        assert_close(f"llama3 inv_freq, original positions {old}", spec.rope_inv_freq(ours), inv, 1e-7)
+
+
 @pytest.mark.parametrize("mt", ["llama", "mistral", "qwen2"])
 def test_fields_left_out_or_not_in_the_type_read_as_transformers_reads_them(mt):
     """A config.json that leaves a field out means transformers' default for its model type (they

@@ -171,6 +171,14 @@ class LlamaConfig:
         scaling = None
         if rope_type == "llama3":
             scaling = {k: rope[k] for k in _LLAMA3_KEYS if k in rope}
+            # transformers 5 (``standardize_rope_params``) takes a top-level
+            # ``original_max_position_embeddings`` over the rope dict's (Phi-3's layout), and the
+            # model's ``max_position_embeddings`` where neither has one
+            old = d.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+            if old is None and "max_position_embeddings" in d:
+                old = d["max_position_embeddings"]
+            if old is not None:
+                scaling["original_max_position_embeddings"] = old
         kv_given = "num_key_value_heads" in d
         d = {**HF_DEFAULTS[mt], **d}
         window = None
