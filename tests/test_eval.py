@@ -248,13 +248,18 @@ def test_ter_is_pyter():
     ref = "SAUDI ARABIA denied THIS WEEK information published in the AMERICAN new york times".split()
     assert f"{ter(hyp, ref):.3f}" == "0.308"  # pyter's doctest
     assert ter([], ["a", "b"]) == 1.0 and ter(["b", "a"], ["a", "b"]) == 0.5
+    for hyp in ([], ["a"]):  # pyter3 0.3 divides by the reference's length (checked against it)
+        with pytest.raises(ZeroDivisionError):
+            ter(hyp, [])
 
 
 def test_webnlg_empty_and_padded_references_without_java():
     refs = [["the cat sat", "", "a cat sat"], ["", "", ""], ["dogs bark .", "dogs bark", ""]]
     out = ev.score_webnlg_lists(refs, ["the cat sat", "", "dogs bark ."], metrics="BLEU,TER,chrF++", per_instance=True)
     rows = out["per_instance"]
-    assert [r["TER"] for r in rows] == [0.0, 1.0, 0.0]  # all-empty references score 1
+    # all-empty references score 1, the empty hypothesis too: GenerationEval's ter_score takes 1 for a
+    # reference of length 0 (and catches pyter's ZeroDivisionError for a blank one)
+    assert [r["TER"] for r in rows] == [0.0, 1.0, 0.0]
     assert rows[1]["chrF++"] is None and rows[0]["chrF++"] == pytest.approx(1.0)
     assert out["TER"] == pytest.approx(1 / 3)
 
