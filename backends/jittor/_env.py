@@ -32,7 +32,9 @@ headers all of them start with (``pch/jt_kernel.h``: jittor's ``var.h``, ``op_re
 ``executor.h``, ``fused_op.h`` and the C++ library, about 75,000 lines parsed before a kernel's
 own code) precompiled once into the kernel cache (``lora_pch/``); the same machine code
 (tests/test_jit_cc.py), a fraction of the time. ``LORA_JITTOR_PCH=0`` turns that off (not part
-of the cache key: a cache is valid either way).
+of the cache key: a cache is valid either way). Both are on/off switches (:func:`switch`): ``1``,
+``on``, ``true``, ``yes`` or ``0``, ``off``, ``false``, ``no``, any case; setting up the backend
+refuses another value naming the variable.
 """
 
 from __future__ import annotations
@@ -55,9 +57,36 @@ def jittor_installed_toolkits() -> list[str]:
     return sorted(glob.glob(os.path.join(home, ".cache", "jittor", "jtcuda", "*", "bin", "nvcc")))
 
 
+# this backend's on/off variables (read here, and LORA_JITTOR_PCH by jit_cc.sh, which parses it alike)
+SWITCHES = {"LORA_JITTOR_ASM_TUNER": False, "LORA_JITTOR_PCH": True}  # name: its default (unset or empty)
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def switch(name: str, default: bool | None = None) -> bool:
+    """The on/off variable ``name``: ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``
+    (any case, blanks around ignored); unset or empty: ``default`` (:data:`SWITCHES`'). Another
+    value is refused naming the variable."""
+    raw = os.environ.get(name, "")
+    v = raw.strip().lower()
+    if not v:
+        return SWITCHES[name] if default is None else default
+    if v in _ON or v in _OFF:
+        return v in _ON
+    raise ValueError(f"{name}={raw!r}: expected an on/off switch: 1, on, true, yes or 0, off, false, no")
+
+
+def check_switches() -> None:
+    """Refuse a value of one of :data:`SWITCHES` that is not on/off, naming it (before jittor compiles
+    anything: ``jit_cc.sh``, which runs inside jittor's compiles, treats it as unset)."""
+    for name in SWITCHES:
+        switch(name)
+
+
 def configure() -> None:
-    """Set jittor's environment switches; a no-op for anything the user already set."""
+    """Set jittor's environment switches; a no-op for anything the user already set. A value of
+    this backend's own on/off variables that is not one is refused first (:func:`switch`)."""
     global no_cuda_reason
+    check_switches()
     if "nvcc_path" not in os.environ:
         if not cuda_driver_present():
             os.environ["nvcc_path"] = ""
@@ -92,11 +121,11 @@ JIT_CC = Path(__file__).with_name("jit_cc.sh")
 
 def use_direct_compile() -> bool:
     """Route jittor's CPU kernel compiles through ``jit_cc.sh`` (module docstring); False, and
-    jittor's path unchanged, with ``LORA_JITTOR_ASM_TUNER=1``, off Linux, or when the script is
+    jittor's path unchanged, with ``LORA_JITTOR_ASM_TUNER`` on (:func:`switch`), off Linux, or when the script is
     not executable (e.g. a copy that lost its mode)."""
     import jittor
 
-    if os.environ.get("LORA_JITTOR_ASM_TUNER", "0") not in ("0", ""):
+    if switch("LORA_JITTOR_ASM_TUNER"):
         return False
     if not sys.platform.startswith("linux") or not os.access(JIT_CC, os.X_OK) or " " in str(JIT_CC):  # jittor does not quote it
         return False

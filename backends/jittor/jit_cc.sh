@@ -22,14 +22,27 @@
 # kernels ("#define JIT 1", "#define JIT_cpu 1") takes it, and the machine code is the same
 # (tests/test_jit_cc.py compiles kernels both ways and compares it). A header that fails to
 # build is not tried again (lora_pch/<key>/failed, its log beside it): kernels then compile
-# without it. LORA_JITTOR_PCH=0 turns it off.
+# without it. LORA_JITTOR_PCH=0 (or off, false, no) turns it off.
 here=$(dirname "$0")
+
+# pch_on: whether LORA_JITTOR_PCH is on: 0/off/false/no (any case, blanks around ignored) turn it
+# off; anything else, unset included, keeps it on (backends/jittor/_env.py's switch refuses
+# another value when the backend is set up, before jittor compiles anything)
+pch_on() {
+    v=${LORA_JITTOR_PCH-}
+    v=${v#"${v%%[![:space:]]*}"}
+    v=${v%"${v##*[![:space:]]}"}
+    case $v in
+    0 | [Oo][Ff][Ff] | [Ff][Aa][Ll][Ss][Ee] | [Nn][Oo]) return 1 ;;
+    esac
+    return 0
+}
 
 # pch CC SRC OUT KERNEL-ARGS...: prints the header to -include (its .gch beside it), or nothing
 pch() {
     cc=$1 src=$2 out=$3
     shift 3
-    [ "${LORA_JITTOR_PCH:-1}" != 0 ] || return 0
+    pch_on || return 0
     [ -f "$here/pch/jt_kernel.h" ] || return 0
     [ "$(awk 'NF { print; if (++n == 2) exit }' "$src")" = "$(printf '#define JIT 1\n#define JIT_cpu 1')" ] || return 0
     # the kernel's compile flags, less its source, output and link options

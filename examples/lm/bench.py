@@ -79,6 +79,7 @@ from pathlib import Path
 from lora_core.train import allocator
 from lora_core.train.allocator import worker_env
 from lora_core.train.heap import HEAD_PIECE_RULE
+from lora_core.train.heap import every as heap_every
 from lora_core.train.heap import mode as heap_mode
 
 from ..bench_worker import (
@@ -541,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write settings, raw runs and the summary here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the methods table here")
     args = p.parse_args(argv)
+    try:  # the malloc variables, read by the workers and the summary: refused before any work
+        allocator.mode(), heap_mode(), heap_every()
+    except ValueError as e:
+        p.error(str(e))
     try:
         args.systems = _names(args.systems, SYSTEMS, "--systems")
         args.methods = _names(args.methods, METHODS, "--methods")
@@ -557,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(wrong)
     if args.compile and "ours-torch" not in args.systems:
         p.error(f"--compile {args.compile} compiles ours-torch's step: add ours-torch to --systems, or drop --compile")
+    if allocator.mode() == "tcmalloc" and "ours-torch" in args.systems and allocator.find_tcmalloc() is None:
+        print(allocator.missing_warning(), file=sys.stderr, flush=True)  # its workers run under glibc's malloc
     cfg = _shape(vars(args))
     wrong = check_sizes(args, max(args.block, PROMPT_LEN + args.new_tokens))
     if wrong:

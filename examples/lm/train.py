@@ -46,7 +46,7 @@ from lora_core.data.text import check_tokenizer_fits, model_eos_ids, read_prepar
 from lora_core.formats.hf_checkpoint import write_hf_checkpoint
 from lora_core.models import llama as llama_spec
 from lora_core.models.build import checkpoint_family
-from lora_core.train import allocator
+from lora_core.train import allocator, heap
 from lora_core.train.distributed import run_job
 from lora_core.train.full_ft import check_full_ft_input
 from lora_core.train.recipes import LM_RECIPES, apply_overrides
@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.init_seed is not None and not args.random_init:
         p.error("--init-seed applies to --random-init only (a checkpoint fixes its weights)")
     args.init_seed = 0 if args.init_seed is None else args.init_seed
+    try:  # the malloc variables (lora_core.train.allocator, .heap), read mid-run: refused before any work
+        allocator.mode(), heap.mode(), heap.every()
+    except ValueError as e:
+        p.error(str(e))
     if argv is None:  # a command, not a call from Python: its malloc can still be chosen (before torch loads)
         if (args.backend or os.environ.get("LORA_BACKEND") or "torch") == "torch":
             try:

@@ -56,14 +56,22 @@ WORKERS_ENV = "LORA_QUANT_WORKERS"
 MAX_WORKERS = 8
 
 
+def positive_env(name: str, value: str, what: str) -> int:
+    """``value`` (the text of the variable ``name``) as a positive integer: ASCII decimal digits
+    only, so that ``int()`` never meets what it rejects (``str.isdigit`` accepts '²'); another
+    value is refused naming the variable, the value and ``what`` it counts."""
+    v = value.strip()
+    if not (v.isascii() and v.isdecimal()) or int(v) < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer ({what})")
+    return int(v)
+
+
 def quant_workers() -> int:
     """Threads for :func:`quantize_nf4` (``WORKERS_ENV``, else half this process's CPUs, at
     most ``MAX_WORKERS``); a value that is not a positive integer is refused by name."""
     env = os.environ.get(WORKERS_ENV, "").strip()
     if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer (threads quantizing a tensor)")
-        return int(env)
+        return positive_env(WORKERS_ENV, env, "threads quantizing a tensor")
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -103,10 +111,20 @@ def dynamic_map() -> np.ndarray:
     return np.sort(np.array(data, dtype=np.float32))
 
 
+LANES_ENV = "LORA_CORE_TORCH_SUM_LANES"
+
+
 def cpu_lanes() -> int:
     """float32 lanes of torch's CPU vector sum: 8 (measured with torch 2.13 on AVX-512 and
-    AVX2 machines alike); ``LORA_CORE_TORCH_SUM_LANES`` overrides."""
-    return int(os.environ.get("LORA_CORE_TORCH_SUM_LANES", "8"))
+    AVX2 machines alike); ``LORA_CORE_TORCH_SUM_LANES`` overrides: a positive integer (any: the
+    sum splits a vector into ``size // lanes`` rows of ``lanes`` and adds the rest one by one, so
+    it need divide nothing; it matches bitsandbytes' offset only at torch's own width, 8 where
+    measured). Another value is refused naming the variable."""
+    env = os.environ.get(LANES_ENV, "").strip()
+    if not env:
+        return 8
+    return positive_env(LANES_ENV, env, "float32 lanes of torch's CPU vector sum, 8 where measured; "
+                                             "it need not divide the tensor's size")
 
 
 def _rows_sum(rows: np.ndarray) -> np.ndarray:
@@ -188,11 +206,8 @@ def absmax_offset(absmax: np.ndarray, threads: int | None = None) -> np.float32:
     bitsandbytes under 8 or 16 threads: other scale codes with 1, the same bytes with the
     variable set to 8 or 16)."""
     if not threads:
-        env = os.environ.get(THREADS_ENV, "1").strip()
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{THREADS_ENV}={env!r}: expected a positive integer (torch's intra-op threads "
-                             f"when bitsandbytes quantized)")
-        threads = int(env)
+        env = os.environ.get(THREADS_ENV, "1").strip() or "1"
+        threads = positive_env(THREADS_ENV, env, "torch's intra-op threads when bitsandbytes quantized")
     return np.float32(_torch_sum(absmax, threads=threads) / np.float32(absmax.size))
 
 
@@ -404,5 +419,5 @@ def to_bfloat16(x: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["BLOCKSIZES", "NESTED_BLOCKSIZE", "NF4State", "NF4_CODE", "absmax_offset", "block_scales",
-           "THREADS_ENV", "check_blocksize", "cpu_lanes", "dequantize_nf4", "dynamic_map", "pack_nibbles", "quantize_blockwise",
+           "LANES_ENV", "THREADS_ENV", "check_blocksize", "cpu_lanes", "dequantize_nf4", "dynamic_map", "pack_nibbles", "quantize_blockwise",
            "quantize_nf4", "to_bfloat16", "unpack_nibbles"]

@@ -16,7 +16,8 @@ peak private memory 1931 vs 1499 MB; LoRA + GC (glibc trimmed at the layers) 126
 1116 vs 978 MB (docs/llama.md).
 
 ``LORA_ALLOCATOR`` picks: ``auto`` (or unset) runs tcmalloc where it is installed for a torch
-Llama training command (:func:`wanted`), ``tcmalloc`` wants it for every torch command that asks,
+Llama training command (:func:`wanted`), ``tcmalloc`` wants it for every torch command that asks
+(where it is not installed the command warns on stderr and runs under glibc's malloc),
 ``glibc`` never. A Python process cannot change its ``malloc`` once started: a command that wants
 tcmalloc and does not run under it re-executes itself with it in ``LD_PRELOAD`` (:func:`relaunch`),
 before torch is imported; the benches start their workers with it (:func:`preload_env`). A process
@@ -114,16 +115,32 @@ def worker_env(env: dict, system: str, kind: str) -> dict:
     return preload_env(env, lib) if lib else env
 
 
+INSTALL = "apt-get install libtcmalloc-minimal4"  # Debian/Ubuntu's package (scripts/lora.sh installs it)
+
+
+def missing_warning() -> str:
+    """What a command says on stderr when ``LORA_ALLOCATOR=tcmalloc`` asks for tcmalloc and
+    :func:`find_tcmalloc` finds none: the run goes on under glibc's malloc (the same numbers;
+    only the memory and time figures differ)."""
+    return (f"warning: {ENV}=tcmalloc, but tcmalloc was not found ({NAMES[0]} or {NAMES[1]}): running with glibc's "
+            f"malloc (the same results; memory and speed figures differ). Install it ({INSTALL}; gperftools' "
+            f"tcmalloc elsewhere) or set {ENV}=glibc")
+
+
 def relaunch(kind: str, argv: list[str] | None = None) -> None:
     """Re-execute this command under tcmalloc where :func:`wanted` says (an ours-torch ``kind``
     run), it is installed, this process does not run it yet and has not been relaunched already;
     otherwise return (the run keeps glibc's malloc and trims the heap). ``argv``: the command
     line to run again (default ``sys.orig_argv``: the interpreter, its options, ``-m module``,
-    the arguments). Call it before importing torch: nothing done before it survives."""
+    the arguments). Call it before importing torch: nothing done before it survives. Where
+    ``LORA_ALLOCATOR=tcmalloc`` asks for it and it is not installed, it warns on stderr
+    (:func:`missing_warning`) and returns: the run goes on under glibc's malloc."""
     if not wanted(mode(), "ours-torch", kind) or os.environ.get(RELAUNCHED) or active() == "tcmalloc":
         return
     lib = find_tcmalloc()
     if lib is None:
+        if mode() == "tcmalloc":  # asked for by name: say why it does not run (auto says nothing)
+            print(missing_warning(), file=sys.stderr, flush=True)
         return
     env = dict(preload_env(os.environ, lib), **{RELAUNCHED: "1"})
     argv = list(sys.orig_argv if argv is None else argv)

@@ -176,9 +176,10 @@ EVERY = 2  # trim at every EVERY-th layer (LORA_MALLOC_TRIM_EVERY overrides; 1: 
 def parse_stride(value: str, where: str) -> int:
     """A trim stride given as text (layers between trims, a positive integer); another value is
     refused naming ``where`` (the variable or option it came from)."""
-    if not value.isdigit() or int(value) < 1:
+    v = value.strip()
+    if not (v.isascii() and v.isdecimal()) or int(v) < 1:  # ASCII digits: str.isdigit takes '²', int() not
         raise ValueError(f"{where}={value!r}: expected a positive integer (layers between trims)")
-    return int(value)
+    return int(v)
 
 
 def every() -> int:
