@@ -140,15 +140,9 @@ def test_jittor_switches_take_on_off_words_and_refuse_others(monkeypatch, var):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="jit_cc.sh: Linux only")
 def test_jit_cc_turns_the_precompiled_header_off_with_the_same_words(tmp_path):
-    from test_jit_cc import _run
+    from test_jit_cc import _run, cpu_kernel_args
 
-    tuner = "/j/utils/asm_tuner.py"
-    jsrc = tmp_path / "jittor" / "src"
-    jsrc.mkdir(parents=True)
-    (tmp_path / "jit").mkdir()
-    kernel = tmp_path / "jit" / "k_op.cc"
-    kernel.write_text("#define JIT 1\n#define JIT_cpu 1\nint f() { return 1; }\n")
-    args = [tuner, str(kernel), f"-I{jsrc}", "-Ofast", "-o", str(tmp_path / "jit" / "k_op.so")]
+    args = cpu_kernel_args(tmp_path)
     for value in ("0", "off", "OFF", "False", " no "):
         cc, _ = _run(tmp_path, args, LORA_JITTOR_PCH=value)
         assert cc == args[1:], value  # the kernel's own compile, no -include

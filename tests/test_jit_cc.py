@@ -98,14 +98,18 @@ def test_a_cpu_kernel_includes_the_precompiled_headers_built_once_into_the_cache
     assert cc == [str(other), *flags, "-o", so]
 
 
-def test_a_header_that_does_not_build_is_not_retried_and_the_kernel_compiles_without(tmp_path):
-    tuner = "/j/utils/asm_tuner.py"
+def cpu_kernel_args(tmp_path) -> list[str]:
+    """The command jittor's tuner path gives jit_cc.sh for a fake CPU kernel under ``tmp_path``."""
     jsrc = tmp_path / "jittor" / "src"
     jsrc.mkdir(parents=True)
     (tmp_path / "jit").mkdir()
     kernel = tmp_path / "jit" / "k_op.cc"
     kernel.write_text("#define JIT 1\n#define JIT_cpu 1\nint f() { return 1; }\n")
-    args = [tuner, str(kernel), f"-I{jsrc}", "-Ofast", "-o", str(tmp_path / "jit" / "k_op.so")]
+    return ["/j/utils/asm_tuner.py", str(kernel), f"-I{jsrc}", "-Ofast", "-o", str(tmp_path / "jit" / "k_op.so")]
+
+
+def test_a_header_that_does_not_build_is_not_retried_and_the_kernel_compiles_without(tmp_path):
+    args = cpu_kernel_args(tmp_path)
     for _ in range(2):
         cc, _ = _run(tmp_path, args, PCH_FAILS="1")
         assert cc == args[1:]
